@@ -1,0 +1,82 @@
+"""The one source of truth for configuration: a frozen ServerArgs built from the CLI.
+
+Flags are named as SGLang names them. Defaults and help live here; run.py builds
+argparse from these fields, so `python run.py --help` documents every one.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = str(REPO / "models" / "tandem-dense")
+
+
+def flag(default, help: str, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str = flag(DEFAULT_MODEL, "Local folder of a Hugging Face checkpoint (config.json, safetensors, tokenizer).")
+    tokenizer_path: str | None = flag(None, "Tokenizer folder (default: the model path).")
+    served_model_name: str | None = flag(None, "Model name reported by /v1/models and accepted in requests (default: the folder name).")
+    host: str = flag("127.0.0.1", "Address to listen on.")
+    port: int = flag(30000, "HTTP port.")
+    role: str = flag("unified", "unified: one node; prefill / decode: halves of a disaggregated deployment.",
+                     ["unified", "prefill", "decode"])
+    device: str = flag("auto", "Where the model runs; auto picks cuda, then npu, then cpu.", ["auto", "cpu", "cuda", "npu"])
+    dtype: str = flag("auto", "Weight and activation dtype; auto: bfloat16 on accelerators, float32 on the CPU.",
+                      ["auto", "float32", "bfloat16", "float16"])
+    max_running_requests: int = flag(64, "Most requests decoding at once on a rank.")
+    max_queued_requests: int = flag(1024, "Most requests waiting on a rank; beyond it requests get 503.")
+    max_total_tokens: int | None = flag(None, "KV cache size in tokens (default: from --mem-fraction-static on devices "
+                                              "with memory stats, else 65536 on the CPU).")
+    mem_fraction_static: float = flag(0.85, "Fraction of device memory for weights plus KV cache (devices with memory stats).")
+    chunked_prefill_size: int = flag(512, "Most prompt tokens one request prefills in a step; longer prompts are chunked.")
+    max_prefill_tokens: int = flag(2048, "Token budget of a step for prefill chunks (decodes come on top).")
+    page_size: int = flag(1, "Tokens per KV page.")
+    context_length: int | None = flag(None, "Longest prompt + output (default: the model's max_position_embeddings).")
+    disable_overlap_schedule: bool = flag(False, "Finish each batch before scheduling the next (no CPU/device overlap).")
+    api_key: str | None = flag(None, "Require `Authorization: Bearer <key>` on every API request.")
+    log_level: str = flag("info", "Logging level.", ["debug", "info", "warning", "error"])
+    trace_file: str | None = flag(None, "Write a Chrome trace (open in Perfetto) of scheduling, launch, device and processing spans.")
+    random_seed: int = flag(0, "Seed of the rank's sampling generator for requests without a seed.")
+    dp_size: int = flag(1, "Data-parallel ranks.")
+    stream_interval: int = flag(1, "Send streamed tokens to the client every N steps.")
+
+    @property
+    def tokenizer(self) -> str:
+        return self.tokenizer_path or self.model_path
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name
+
+    @property
+    def enable_overlap(self) -> bool:
+        return not self.disable_overlap_schedule
+
+    def replace(self, **changes) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="run.py", description="Tandem: a compact LLM inference server.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(ServerArgs):
+        name = "--" + f.name.replace("_", "-")
+        help_text, choices = f.metadata["help"], f.metadata["choices"]
+        if f.type in ("bool", bool):
+            parser.add_argument(name, action="store_true", help=help_text)
+            continue
+        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+        parser.add_argument(name, type=kind, default=f.default, choices=choices, help=help_text)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    return ServerArgs(**vars(ns))

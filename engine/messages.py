@@ -1,0 +1,82 @@
+"""Typed messages between the front (server/) and a rank process (engine/).
+
+One union per direction. Frames on the unix socket are msgpack-encoded, tagged
+msgspec Structs (see engine/wire.py). Every message names its request id `rid`.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_new_tokens: int = 128
+    temperature: float = 1.0        # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1                 # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None         # per-request generator: same seed, same output
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None     # None: none; 0: the chosen token's; k>0: also the top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+# ---- front -> rank -------------------------------------------------------------
+
+class AddRequest(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    rid: str
+    reason: str = "abort"           # "abort" (client gone) or "stop" (the front matched a stop string)
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToRank = AddRequest | AbortRequest | Shutdown
+
+
+# ---- rank -> front -------------------------------------------------------------
+
+class TokenDelta(msgspec.Struct, tag=True):
+    """New output tokens of one request (an accepted speculative run may bring several)."""
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None                          # one per token
+    top_logprobs: list[list[tuple[int, float]]] | None = None    # per token: (id, logprob), best first
+    finish_reason: str | None = None   # None while running; "stop" | "length" | "abort"
+    matched_stop: int | None = None    # the EOS / stop token id that finished it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    spec_verify_ct: int = 0
+    cached_tokens: int = 0
+
+
+class RequestRejected(msgspec.Struct, tag=True):
+    rid: str
+    message: str
+    status: int = 400
+
+
+class RankStats(msgspec.Struct, tag=True):
+    """Periodic gauges from a rank, for /metrics and /health."""
+    rank: int
+    running: int
+    waiting: int
+    kv_used: int
+    kv_total: int
+    steps: int
+    hidden_cpu_fraction: float     # share of CPU scheduling time that overlapped device execution
+    retractions: int = 0
+    spec_accept_len: float = 0.0
+
+
+FromRank = TokenDelta | RequestRejected | RankStats

@@ -1,0 +1,89 @@
+"""The contract every model in `engine/models/` keeps, and the architecture registry.
+
+A target model maps a flattened batch of new tokens to hidden states, writing
+their K/V into the paged cache through `AttentionBatch`; logits are computed
+separately, only for the rows that need them (last token of each sequence, or
+every verify row). Draft heads (EAGLE, EAGLE-3) take the target's hidden states
+as a second input and borrow the target's embeddings / LM head via `bind_target`.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from engine.models.attention import AttentionBatch
+
+
+class ModelOutput(NamedTuple):
+    hidden: torch.Tensor                   # [T, hidden] after the final norm (what the LM head reads)
+    aux_hidden: torch.Tensor | None = None  # [T, 3*hidden] residual stream at the EAGLE-3 capture layers
+
+
+class CausalLM(nn.Module, ABC):
+    """A target model (dense or MoE)."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch,
+                capture_aux: bool = False) -> ModelOutput:
+        """Run the new tokens [T] through the model, writing their K/V into batch.kv."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: [N, hidden] -> [N, vocab] in float32."""
+
+    @abstractmethod
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
+
+    def set_aux_capture_layers(self, layer_ids: list[int]) -> None:
+        """Layers whose input residual stream forms ModelOutput.aux_hidden (EAGLE-3)."""
+        self.aux_layer_ids = list(layer_ids)
+
+
+class DraftHead(nn.Module, ABC):
+    """An EAGLE-style draft head that conditions on the target's hidden states."""
+
+    @abstractmethod
+    def bind_target(self, target: CausalLM) -> None:
+        """Share the target's embeddings and LM head where the checkpoint has none."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        """input_ids [T], hidden [T, H_in] -> the head's output hidden state [T, H] (fed back as the
+        next step's `hidden`)."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, draft_vocab] float32 logits."""
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids (identity unless the head has a reduced vocabulary)."""
+        return ids
+
+    @abstractmethod
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the head's own KV cache."""
+
+
+# Architecture name in config.json -> "module:Class". A new model is one file plus one line here.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "engine.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "engine.models.llama:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "engine.models.moe:MixtralForCausalLM",
+    "LlamaForCausalLMEagle": "engine.models.eagle:LlamaForCausalLMEagle",
+    "LlamaForCausalLMEagle3": "engine.models.eagle3:LlamaForCausalLMEagle3",
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}")
+    module, cls = ARCHITECTURES[architecture].split(":")
+    return getattr(importlib.import_module(module), cls)
