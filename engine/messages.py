@@ -79,4 +79,12 @@ class RankStats(msgspec.Struct, tag=True):
     spec_accept_len: float = 0.0
 
 
-FromRank = TokenDelta | RequestRejected | RankStats
+class RankReady(msgspec.Struct, tag=True):
+    """First message of a rank once its model is loaded and its KV cache allocated."""
+    rank: int
+    kv_total: int
+    context_length: int
+    description: str
+
+
+FromRank = TokenDelta | RequestRejected | RankStats | RankReady

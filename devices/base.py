@@ -1,0 +1,83 @@
+"""The device interface: one in-order stream per rank, launches whose completion is
+an awaitable future, memory queries and the collective backend name.
+
+`launch(work)` queues `work` (a function that enqueues device ops and returns
+tensors) on the stream and returns at once; awaiting the returned future gives
+`work`'s result once the device has finished it. The rank loop awaits without
+blocking, so the CPU schedules batch N+1 while the device executes batch N.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import torch
+
+
+class Launched:
+    """A launched piece of device work: awaitable, with the wall-clock span it ran in."""
+
+    def __init__(self, future: asyncio.Future):
+        self.future = future
+        self.started = 0.0      # perf_counter when the device began it (CPU: worker start)
+        self.finished = 0.0     # perf_counter when it completed
+
+    def __await__(self):
+        return self.future.__await__()
+
+
+class Device(ABC):
+    name: str
+    collective_backend: str
+
+    @property
+    @abstractmethod
+    def torch_device(self) -> torch.device:
+        """Where tensors of this rank live."""
+
+    @abstractmethod
+    def launch(self, work: Callable[[], Any]) -> Launched:
+        """Queue work on the rank's stream, in order; the result is awaitable."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until everything launched so far has finished (start-up and tests only)."""
+
+    def memory_stats(self) -> tuple[int, int] | None:
+        """(free, total) bytes of device memory, or None where there is no such notion."""
+        return None
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def close(self) -> None:
+        """Stop helper threads."""
+
+
+DEVICES = {
+    "cpu": "devices.cpu:CpuDevice",
+    "cuda": "devices.cuda:CudaDevice",
+    "npu": "devices.npu:NpuDevice",
+}
+
+
+def resolve_device_name(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    if importlib.util.find_spec("torch_npu") is not None:
+        return "npu"
+    return "cpu"
+
+
+def create_device(name: str, index: int = 0) -> Device:
+    module, cls = DEVICES[resolve_device_name(name)].split(":")
+    return getattr(importlib.import_module(module), cls)(index)
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,49 @@
+"""CPU device: the "stream" is one worker thread that runs launched work in order.
+
+PyTorch releases the GIL inside its kernels, so the rank loop's Python
+scheduling runs while the worker computes.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from devices.base import Device, Launched, now
+
+
+class CpuDevice(Device):
+    name = "cpu"
+    collective_backend = "gloo"
+
+    def __init__(self, index: int = 0):
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-stream")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def launch(self, work: Callable[[], Any]) -> Launched:
+        launched: Launched
+
+        def timed() -> Any:
+            launched.started = now()
+            try:
+                with torch.inference_mode():
+                    return work()
+            finally:
+                launched.finished = now()
+
+        launched = Launched(asyncio.wrap_future(self.worker.submit(timed)))
+        return launched
+
+    def synchronize(self) -> None:
+        self.worker.submit(lambda: None).result()
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,61 @@
+"""Accelerators with streams and events (CUDA, NPU): launch enqueues kernels on the
+rank's stream from the loop thread (asynchronous), records an event, and a helper
+thread waits for the event and resolves the future on the loop."""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from devices.base import Device, Launched, now
+
+
+class StreamDevice(Device):
+    """Subclasses set `module` (torch.cuda / torch.npu) and `name`."""
+
+    module: Any
+
+    def __init__(self, index: int = 0):
+        self.index = index
+        self.module.set_device(index)
+        self.stream = self.module.Stream()
+        self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-events")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.name, self.index)
+
+    def launch(self, work: Callable[[], Any]) -> Launched:
+        started = now()
+        with torch.inference_mode(), self.module.stream(self.stream):
+            result = work()
+            event = self.module.Event()
+            event.record(self.stream)
+        loop = asyncio.get_running_loop()
+        launched = Launched(loop.create_future())
+        launched.started = started
+
+        def wait() -> None:
+            event.synchronize()
+            launched.finished = now()
+            loop.call_soon_threadsafe(_resolve, launched.future, result)
+
+        self.waiter.submit(wait)
+        return launched
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def memory_stats(self) -> tuple[int, int] | None:
+        free, total = self.module.mem_get_info(self.index)
+        return int(free), int(total)
+
+    def close(self) -> None:
+        self.waiter.shutdown(wait=True, cancel_futures=True)
+
+
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)

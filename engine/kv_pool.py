@@ -1,0 +1,52 @@
+"""KV page allocator and request rows: pure Python, no tensors.
+
+The device side (per-layer K/V tensors and the request->slot table) lives in the
+model runner; this class only hands out page and row numbers. Slot of position p
+in a request = pages[p // page_size] * page_size + p % page_size.
+"""
+from __future__ import annotations
+
+
+class KVPool:
+    def __init__(self, num_slots: int, page_size: int, num_rows: int):
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.free_pages = list(range(self.num_pages - 1, -1, -1))
+        self.free_rows = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def total_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def used_slots(self) -> int:
+        return (self.num_pages - len(self.free_pages)) * self.page_size
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def can_grow(self, pages: list[int], new_len: int) -> bool:
+        return self.pages_for(new_len) - len(pages) <= len(self.free_pages)
+
+    def grow(self, pages: list[int], new_len: int) -> bool:
+        """Extend `pages` in place to hold new_len positions; False (and no change) if full."""
+        need = self.pages_for(new_len) - len(pages)
+        if need > len(self.free_pages):
+            return False
+        for _ in range(max(need, 0)):
+            pages.append(self.free_pages.pop())
+        return True
+
+    def release(self, pages: list[int]) -> None:
+        self.free_pages.extend(reversed(pages))
+        pages.clear()
+
+    def take_row(self) -> int | None:
+        return self.free_rows.pop() if self.free_rows else None
+
+    def give_row(self, row: int) -> None:
+        self.free_rows.append(row)
+
+    def slots(self, pages: list[int], start: int, end: int) -> list[int]:
+        ps = self.page_size
+        return [pages[p // ps] * ps + p % ps for p in range(start, end)]

@@ -1,0 +1,75 @@
+"""EAGLE-1 draft head in SGLang's `LlamaForCausalLMEagle` layout.
+
+  x   = fc(cat([embed(ids), hidden]))      fc.weight [H, 2H], fc.bias [H]
+  out = decoder_layer_0(x)                 a Llama layer; no input_layernorm unless the checkpoint has one
+  logits = lm_head(out)                    no final norm
+
+`hidden` is the target's final-normed hidden state for the first draft step and the head's
+own `out` afterwards. embed_tokens / lm_head come from the checkpoint when it has them,
+otherwise `bind_target` shares the target's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.attention import AttentionBatch
+from engine.models.base import CausalLM, DraftHead
+from engine.models.layers import GatedMLP, RotaryEmbedding, check_dense_attention, head_dim_of, rope_parameters
+from engine.models.llama import DecoderLayer, make_attention
+
+
+class LlamaForCausalLMEagle(DraftHead):
+    # Weights a checkpoint may lack; the loader calls drop_weights() with the ones it lacks.
+    optional_weights = ("embed_tokens.weight", "lm_head.weight", "fc.bias", "layers.0.input_layernorm.weight")
+
+    def __init__(self, config):
+        super().__init__()
+        check_dense_attention(config)
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        hidden = config.hidden_size
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, hidden)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.rotary = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+        bias = bool(getattr(config, "attention_bias", False))
+        layer = DecoderLayer(make_attention(config, 0, bias, bias, qk_norm=False),
+                             GatedMLP(hidden, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False))),
+                             hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList([layer])
+        self.lm_head: nn.Linear | None = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.lm_head_shared: torch.Tensor | None = None
+
+    def drop_weights(self, names: set[str]) -> None:
+        """Forget the optional modules the checkpoint did not provide."""
+        if "embed_tokens.weight" in names:
+            self.embed_tokens = None
+        if "lm_head.weight" in names:
+            self.lm_head = None
+        if "fc.bias" in names:
+            self.fc.bias = None
+        if "layers.0.input_layernorm.weight" in names:
+            self.layers[0].input_layernorm = None
+
+    def bind_target(self, target: CausalLM) -> None:
+        if target.hidden_size != self.hidden_size:
+            raise ValueError(f"EAGLE head hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}")
+        if self.embed_tokens is None:
+            self.embed_tokens = target.embed_tokens
+        if self.lm_head is None:
+            self.lm_head_shared = target.lm_head_weight().detach()  # a view, not a parameter of the head
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        attn = self.layers[0].self_attn
+        return 1, attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], dim=-1))
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        return self.layers[0](x, cos, sin, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight if self.lm_head is not None else self.lm_head_shared
+        return F.linear(hidden, weight).float()

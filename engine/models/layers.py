@@ -1,0 +1,175 @@
+"""Pieces shared by every decoder in `engine/models/`: RMSNorm, rotary embedding, the gated
+MLP and the attention block over the paged KV cache.
+
+All modules take flattened tokens [T, ...]; the batch structure lives in `AttentionBatch`.
+Parameter names follow the Hugging Face checkpoints (q_proj, gate_proj, ...) so the loader
+maps names by stripping prefixes only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.attention import AttentionBatch, paged_attention
+
+
+def config_value(config, name: str, default=None):
+    """`config.name`, treating an explicit None like a missing field."""
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def head_dim_of(config) -> int:
+    return config_value(config, "head_dim", config.hidden_size // config.num_attention_heads)
+
+
+def check_dense_attention(config) -> None:
+    """Refuse configs whose attention is not plain causal attention over the whole context."""
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    uses_window = "sliding_attention" in layer_types or (
+        window is not None and getattr(config, "use_sliding_window", True)
+        and window < config_value(config, "max_position_embeddings", math.inf))
+    if uses_window:
+        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
+    act = config_value(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as HF does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------- rotary embedding
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config) -> dict:
+    """The config's RoPE settings as one dict with at least rope_type and rope_theta.
+
+    Accepts the transformers>=5 `rope_parameters` field and the older `rope_theta` +
+    `rope_scaling` pair (plain-json EAGLE configs use the latter)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None) or {}
+    params = {**legacy, **params}
+    params.setdefault("rope_theta", config_value(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = rope_type
+    return params
+
+
+def rope_inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
+    """inv_freq [head_dim / 2] in float32 for the supported rope types (on the CPU)."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        return llama3_scaled(inv_freq, params)
+    return inv_freq
+
+
+def llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, short ones kept,
+    the band between interpolated smoothly."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the positions of one forward, shared by all layers."""
+
+    def __init__(self, head_dim: int, params: dict):
+        super().__init__()
+        # Built on the CPU even when the model is constructed on `meta`; model.to(device) moves it.
+        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, params), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, head_dim], angles computed in float32."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by position (the half-split layout HF Llama uses)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------------- blocks
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention writing to and reading from layer `layer_id` of the paged cache.
+
+    `input_size` is the width q/k/v read (hidden size, or 2x hidden for the EAGLE-3 midlayer);
+    the output is always `hidden`."""
+
+    def __init__(self, *, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int,
+                 input_size: int | None = None, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm_eps: float | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        input_size = input_size or hidden
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_id = layer_id
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        # Qwen3: RMSNorm over each head's vector, before the rotary embedding.
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, self.layer_id, batch, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

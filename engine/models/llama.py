@@ -1,0 +1,128 @@
+"""The dense decoder: Llama, Qwen2 and Qwen3 are one implementation with three flags.
+
+  Llama   attention_bias (q/k/v/o) and mlp_bias from the config
+  Qwen2   bias on q/k/v, none on o
+  Qwen3   RMSNorm on each q/k head before the rotary embedding (qk-norm)
+
+Parameter names match the HF checkpoints without their `model.` prefix:
+embed_tokens, layers.N.{input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}, norm,
+lm_head (absent when tie_word_embeddings: the LM head then reads embed_tokens.weight).
+MoE models (`moe.py`) reuse this class and only replace `make_mlp`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.attention import AttentionBatch
+from engine.models.base import CausalLM, ModelOutput
+from engine.models.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbedding, check_dense_attention,
+                                  config_value, head_dim_of, rope_parameters)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+
+    `input_layernorm=False` leaves the attention input un-normalized (EAGLE-1 layer 0)."""
+
+    def __init__(self, attn: Attention, mlp: nn.Module, hidden: int, eps: float, input_layernorm: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps) if input_layernorm else None
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        normed = self.input_layernorm(x) if self.input_layernorm is not None else x
+        h = x + self.self_attn(normed, cos, sin, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def make_attention(config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                   input_size: int | None = None) -> Attention:
+    return Attention(hidden=config.hidden_size, num_heads=config.num_attention_heads,
+                     num_kv_heads=config_value(config, "num_key_value_heads", config.num_attention_heads),
+                     head_dim=head_dim_of(config), layer_id=layer_id, input_size=input_size,
+                     qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_eps=config.rms_norm_eps if qk_norm else None)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama-style decoder over the paged KV cache."""
+
+    qk_norm = False
+
+    def __init__(self, config):
+        super().__init__()
+        check_dense_attention(config)
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.num_layers = config.num_hidden_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(make_attention(config, i, qkv_bias, o_bias, self.qk_norm), self.make_mlp(config, i),
+                         config.hidden_size, config.rms_norm_eps)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.aux_layer_ids: list[int] = []
+
+    # -- flags the subclasses change
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)))
+
+    # -- the CausalLM contract
+    @property
+    def ignored_weights(self) -> set[str]:
+        """Checkpoint tensors the loader may skip: a tied model's redundant lm_head copy."""
+        return {"lm_head.weight"} if self.tie_word_embeddings else set()
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        attn = self.layers[0].self_attn
+        return self.num_layers, attn.num_kv_heads, attn.head_dim
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_aux_capture_layers(self, layer_ids: list[int]) -> None:
+        """Capture the residual stream entering each layer in `layer_ids`; id == num_layers means
+        the stream after the last layer (before the final norm)."""
+        bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(f"aux capture layers {bad} outside 0..{self.num_layers}")
+        self.aux_layer_ids = list(layer_ids)
+
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, capture_aux: bool = False) -> ModelOutput:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        wanted = set(self.aux_layer_ids) if capture_aux else set()
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                captured[i] = x
+            x = layer(x, cos, sin, batch)
+        if self.num_layers in wanted:
+            captured[self.num_layers] = x
+        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if captured else None
+        return ModelOutput(hidden=self.norm(x), aux_hidden=aux)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight()).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,98 @@
+"""Sparse mixture-of-experts decoders: Qwen3-MoE and Mixtral.
+
+Same decoder as `llama.py`; the MLP of the sparse layers is a router plus experts whose
+weights are stacked along a leading expert axis, so an expert-parallel rank would own a
+contiguous slice [E0:E1] of each tensor:
+
+  mlp.gate.weight                 [E, H]      router
+  mlp.experts.gate_up_proj        [E, 2I, H]  rows 0..I are gate_proj, I..2I up_proj
+  mlp.experts.down_proj           [E, H, I]
+
+The loader stacks the per-expert checkpoint tensors (`experts.N.gate_proj.weight`, Mixtral's
+`w1/w3/w2`) into this layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import GatedMLP
+from engine.models.llama import LlamaForCausalLM
+
+
+class StackedExperts(nn.Module):
+    """E SwiGLU experts held as [E, ...] tensors."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; expert_ids, weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t]).
+
+        Token-expert pairs are sorted by expert so each expert runs one matmul on its
+        contiguous slice; the only host sync is reading the per-expert counts."""
+        top_k = expert_ids.shape[1]
+        flat_experts = expert_ids.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)            # pairs grouped by expert
+        pair_tokens = order // top_k
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        inputs = x[pair_tokens]
+        outputs = torch.empty_like(inputs)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                gate, up = F.linear(inputs[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                outputs[rows] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            start += count
+        weighted = outputs * weights.reshape(-1)[order, None].to(outputs.dtype)
+        return torch.zeros_like(x).index_add_(0, pair_tokens, weighted)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router softmax over all experts, top-k, optional renormalisation of the k weights."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = StackedExperts(num_experts, hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, expert_ids, weights)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3 (qk-norm) with MoE on layers where (i + 1) % decoder_sparse_step == 0, except
+    those in mlp_only_layers, which keep a dense MLP of intermediate_size."""
+
+    qk_norm = True
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        sparse = (layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+                  and config.num_experts > 0 and (layer_id + 1) % step == 0)
+        if not sparse:
+            return GatedMLP(config.hidden_size, config.intermediate_size)
+        return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                              config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob))
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Every layer sparse; the top-k weights are always renormalised."""
+
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        return False, False
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        return SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_local_experts,
+                              config.num_experts_per_tok, renormalize=True)

@@ -1,0 +1,60 @@
+"""Entry point of a rank process: its own uvloop, the model, and the rank loop,
+connected to the front over a unix socket."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from devices.base import create_device
+from engine.args import ServerArgs
+from engine.messages import RankReady, ToRank
+from engine.rank import Rank
+from engine.wire import Channel
+
+
+def eos_token_ids(model_path: str, config) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [getattr(config, "eos_token_id", None)]
+    gen_config = Path(model_path) / "generation_config.json"
+    if gen_config.exists():
+        sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list):
+            ids.update(int(i) for i in src)
+    return frozenset(ids)
+
+
+async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
+    reader, writer = await asyncio.open_unix_connection(socket_path)
+    channel = Channel(reader, writer, ToRank)
+    device = create_device(args.device, rank)
+    # eos ids come from the checkpoint's own config files
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(args.model_path)
+    worker = Rank(args, rank, device, channel, eos_token_ids(args.model_path, config))
+    await channel.send(RankReady(rank=rank, kv_total=worker.pool.total_slots,
+                                 context_length=worker.runner.context_length,
+                                 description=f"{Path(args.model_path).name} on {device.torch_device}"))
+    try:
+        await worker.run()
+    finally:
+        device.close()
+        channel.close()
+
+
+def rank_main(args: ServerArgs, rank: int, socket_path: str) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(args.dp_size, 1)))
+    torch.manual_seed(args.random_seed)
+    try:
+        import uvloop
+        uvloop.run(serve_rank(args, rank, socket_path))
+    except ImportError:
+        asyncio.run(serve_rank(args, rank, socket_path))

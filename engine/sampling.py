@@ -1,0 +1,95 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+Randomness is the exponential race (argmax of p / E, E ~ Exp(1)), which samples
+exactly from p. A seeded request draws its noise from a generator seeded by
+(seed, output position), so its output does not depend on batch composition,
+retraction or speculation; unseeded requests share the rank's generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.messages import SamplingParams
+
+SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, built once per batch on the CPU."""
+    temperature: torch.Tensor      # [N, 1]; 1.0 for greedy rows (unused)
+    top_k: torch.Tensor            # [N]; vocab size when off
+    top_p: torch.Tensor            # [N]
+    min_p: torch.Tensor            # [N]
+    greedy: torch.Tensor           # [N] bool
+    all_greedy: bool
+    needs_sort: bool
+    seeds: list[int | None]
+    positions: list[int]           # output position of each row, for seeded noise
+    max_logprobs: int | None       # None: no row wants logprobs
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], positions: list[int], vocab: int,
+              device: torch.device) -> "SamplingBatch":
+        greedy = [p.greedy for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor([[1.0 if g else p.temperature] for g, p in zip(greedy, params)],
+                                     dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, device=device),
+            all_greedy=all(greedy),
+            needs_sort=any(not g and (k < vocab or p.top_p < 1.0) for g, k, p in zip(greedy, top_k, params)),
+            seeds=[p.seed for p in params],
+            positions=positions,
+            max_logprobs=max(wanted) if wanted else None,
+        )
+
+
+def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k, top-p, min-p."""
+    probs = torch.softmax(logits / sb.temperature, dim=-1)
+    if sb.needs_sort:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)
+        cumulative = sorted_probs.cumsum(dim=-1)
+        drop = (rank[None, :] >= sb.top_k[:, None]) | (cumulative - sorted_probs > sb.top_p[:, None])
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    if bool((sb.min_p > 0).any()):
+        probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def exponential_noise(shape: tuple[int, int], sb: SamplingBatch, generator: torch.Generator | None,
+                      device: torch.device) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    for row, seed in enumerate(sb.seeds):
+        if seed is not None:
+            g = torch.Generator(device=device).manual_seed(seed * SEED_STRIDE + sb.positions[row])
+            noise[row] = torch.empty(shape[1], device=device).exponential_(generator=g)
+    return noise
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [N, V] float32 -> token ids [N]."""
+    greedy_ids = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        return greedy_ids
+    probs = filtered_probs(logits, sb)
+    sampled = (probs / exponential_noise(tuple(probs.shape), sb, generator, logits.device)).argmax(dim=-1)
+    return torch.where(sb.greedy, greedy_ids, sampled)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the model's (unfiltered) distribution: chosen tokens [N], and the
+    top `top` (values [N, top], ids [N, top])."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    values, ids = logp.topk(max(top, 1), dim=-1)
+    return chosen, values, ids

@@ -1,0 +1,237 @@
+"""Continuous batching with chunked prefill, a token budget and retraction.
+Pure Python: no tensors, no device calls (tested on plain data).
+
+Every step the scheduler feeds each running request the tokens whose K/V are not
+yet scheduled: one token for a decode (a known token, or the future output of the
+batch in flight), a chunk of known tokens for a prefill. A sequence "samples" when
+its fed tokens reach the end of what is known; its output goes to a future-map slot.
+
+NOTE: with overlap, schedule(N+1) runs before process(N). Invariant at schedule
+time for a decoding request: kv_len == known_len + pending - 1.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_pool import KVPool
+from engine.messages import SamplingParams
+from engine.request import Request, Status
+
+
+@dataclass
+class SeqWork:
+    req: Request
+    row: int
+    start: int          # first position fed
+    q_len: int          # tokens fed
+    future_id: int = 0  # > 0 when this sequence samples; its output's future-map slot
+
+    @property
+    def samples(self) -> bool:
+        return self.future_id > 0
+
+
+@dataclass
+class ScheduledBatch:
+    step: int
+    seqs: list[SeqWork]
+    input_ids: list[int]        # flattened over seqs; -f means "the token in future slot f"
+    write_slots: list[int]      # KV slot of each fed token
+    sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def sampling(self) -> list[SeqWork]:
+        return [s for s in self.seqs if s.samples]
+
+    @property
+    def max_q(self) -> int:
+        return max(s.q_len for s in self.seqs)
+
+    @property
+    def max_kv(self) -> int:
+        return max(s.start + s.q_len for s in self.seqs)
+
+
+@dataclass
+class StepOutput:
+    """What a finished batch produced, on the host, one entry per sampling seq."""
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_queued_requests: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int
+    context_length: int
+    future_slots: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: KVPool, eos_ids: frozenset[int]):
+        self.config = config
+        self.pool = pool
+        self.eos_ids = eos_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step = 0
+        self.next_future = 0
+        self.retractions = 0
+
+    # ---- intake ------------------------------------------------------------------
+
+    def add(self, rid: str, input_ids: list[int], params: SamplingParams) -> str | None:
+        """Queue a request; returns an error message if it can never run here."""
+        if rid in self.requests:
+            return f"duplicate request id {rid!r}"
+        if not input_ids:
+            return "the prompt is empty"
+        need = len(input_ids) + params.max_new_tokens
+        if len(input_ids) >= self.config.context_length:
+            return f"prompt of {len(input_ids)} tokens does not fit the context length {self.config.context_length}"
+        if min(need, self.config.context_length) > self.pool.total_slots:
+            return f"prompt plus max_new_tokens ({need}) exceeds the KV cache ({self.pool.total_slots} tokens)"
+        if len(self.waiting) >= self.config.max_queued_requests:
+            return "overloaded"
+        req = Request(rid, list(input_ids), params, self.eos_ids)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str, reason: str) -> Request | None:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return None
+        req.finish_reason = reason
+        self.finish(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or any(r.pending == 0 for r in self.waiting)
+
+    # ---- scheduling ----------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        self.step += 1
+        decodes = [r for r in self.running if self.is_decoding(r)]
+        self.make_room_for(decodes)
+        batch = ScheduledBatch(step=self.step, seqs=[], input_ids=[], write_slots=[])
+        for req in decodes:
+            if req.status is Status.RUNNING:
+                self.feed(batch, req, 1)
+        budget = self.config.max_prefill_tokens
+        for req in [r for r in self.running if not self.is_decoding(r)]:
+            budget -= self.feed_chunk(batch, req, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            if req.pending or not self.can_admit(req, budget):
+                break
+            self.waiting.popleft()
+            req.row = self.pool.take_row()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            budget -= self.feed_chunk(batch, req, budget)
+        return batch if batch.seqs else None
+
+    def is_decoding(self, req: Request) -> bool:
+        return req.kv_len >= req.known_len - 1
+
+    def can_admit(self, req: Request, budget: int) -> bool:
+        if not self.pool.free_rows:
+            return False
+        chunk = min(req.known_len, self.config.chunked_prefill_size, budget)
+        reserve = len(self.running) * self.pool.page_size      # next decode step of everyone running
+        return self.pool.pages_for(chunk) * self.pool.page_size + reserve <= len(self.pool.free_pages) * self.pool.page_size
+
+    def make_room_for(self, decodes: list[Request]) -> None:
+        """Retract the newest running requests until every decode can grow by one token."""
+        def pages_needed() -> int:
+            return sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages)
+                       for r in decodes if r.status is Status.RUNNING)
+        while pages_needed() > len(self.pool.free_pages) and self.running:
+            self.retract(self.running[-1])
+
+    def retract(self, req: Request) -> None:
+        """Free a running request's KV and queue it for recompute (prompt + outputs so far).
+        An output still in flight lands in output_ids when its batch is processed."""
+        self.running.remove(req)
+        self.pool.release(req.pages)
+        self.pool.give_row(req.row)
+        req.row, req.kv_len, req.status = None, 0, Status.WAITING
+        req.retractions += 1
+        self.retractions += 1
+        self.waiting.appendleft(req)
+
+    def feed_chunk(self, batch: ScheduledBatch, req: Request, budget: int) -> int:
+        size = min(req.known_len - req.kv_len, self.config.chunked_prefill_size, budget)
+        if size <= 0 or not self.pool.can_grow(req.pages, req.kv_len + size):
+            return 0
+        self.feed(batch, req, size)
+        return size
+
+    def feed(self, batch: ScheduledBatch, req: Request, size: int) -> None:
+        start, end = req.kv_len, req.kv_len + size
+        grown = self.pool.grow(req.pages, end)
+        assert grown, "feed() after a failed capacity check"
+        if req.pending:
+            batch.input_ids.append(-req.future_id)
+        else:
+            batch.input_ids.extend(req.all_ids[start:end])
+        batch.write_slots.extend(self.pool.slots(req.pages, start, end))
+        seq = SeqWork(req=req, row=req.row, start=start, q_len=size)
+        if end >= req.known_len:
+            seq.future_id = req.future_id = self.take_future()
+            req.pending += 1
+            batch.sample_params.append(req.params)
+        req.kv_len = end
+        batch.seqs.append(seq)
+
+    def take_future(self) -> int:
+        """Ring of future-map slots; slot 0 is never used (-0 is not a reference)."""
+        self.next_future = self.next_future % (self.config.future_slots - 1) + 1
+        return self.next_future
+
+    # ---- results -------------------------------------------------------------------
+
+    def process(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
+        """Apply a finished batch's outputs; returns the requests with news for the front."""
+        touched = []
+        for i, seq in enumerate(batch.sampling):
+            req = seq.req
+            if req.finished:
+                continue                      # finished (or aborted) after this batch was scheduled
+            req.pending -= 1
+            token = out.tokens[i]
+            req.output_ids.append(token)
+            if out.logprobs is not None:
+                req.output_logprobs.append(out.logprobs[i])
+            if out.top_logprobs is not None:
+                req.output_top_logprobs.append(out.top_logprobs[i])
+            if req.check_finish(token, self.config.context_length):
+                self.finish(req)
+            touched.append(req)
+        return touched
+
+    def finish(self, req: Request) -> None:
+        """Free everything the request holds, exactly once. Safe while a batch that
+        writes its slots is in flight: the device runs batches in order, so a later
+        owner's writes land after it."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.pool.release(req.pages)
+            self.pool.give_row(req.row)
+            req.row = None
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        self.requests.pop(req.rid, None)

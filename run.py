@@ -1,0 +1,28 @@
+"""Launch Tandem: `python run.py` serves the embedded model on 127.0.0.1:30000."""
+from __future__ import annotations
+
+import logging
+import sys
+
+from engine.args import parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.role != "unified":
+        print(f"error: --role {args.role} needs prefill/decode disaggregation, which this build does not have yet; "
+              "run with --role unified (the default)", file=sys.stderr)
+        return 2
+    from server.launch import serve
+    try:
+        import uvloop
+        uvloop.run(serve(args))
+    except ImportError:
+        import asyncio
+        asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
