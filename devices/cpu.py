@@ -26,17 +26,22 @@ class CpuDevice(Device):
         return torch.device("cpu")
 
     def launch(self, work: Callable[[], Any]) -> Launched:
-        launched: Launched
+        loop = asyncio.get_running_loop()
+        launched = Launched(loop.create_future())
 
-        def timed() -> Any:
+        def timed() -> None:
             launched.started = now()
             try:
                 with torch.inference_mode():
-                    return work()
-            finally:
+                    result = work()
+            except BaseException as exc:      # delivered to whoever awaits the launch
                 launched.finished = now()
+                loop.call_soon_threadsafe(_settle, launched.future, None, exc)
+                return
+            launched.finished = now()
+            loop.call_soon_threadsafe(_settle, launched.future, result, None)
 
-        launched = Launched(asyncio.wrap_future(self.worker.submit(timed)))
+        self.worker.submit(timed)
         return launched
 
     def synchronize(self) -> None:
@@ -47,3 +52,12 @@ class CpuDevice(Device):
 
     def close(self) -> None:
         self.worker.shutdown(wait=True, cancel_futures=True)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

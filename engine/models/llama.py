@@ -68,7 +68,8 @@ class LlamaForCausalLM(CausalLM):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (None if self.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.aux_layer_ids: list[int] = []
 
     # -- flags the subclasses change

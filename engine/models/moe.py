@@ -90,6 +90,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 class MixtralForCausalLM(LlamaForCausalLM):
     """Every layer sparse; the top-k weights are always renormalised."""
 
+    # HF Mixtral checkpoints name the MoE block and its expert projections differently.
+    checkpoint_renames = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                          (".w2.", ".down_proj."))
+
     def attention_biases(self, config) -> tuple[bool, bool]:
         return False, False
 

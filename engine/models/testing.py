@@ -1,0 +1,49 @@
+"""A minimal driver that runs a model over the paged KV cache the way the engine does, for
+tests and checkpoint checks (tools/, bench/): several requests, each with its own row of a
+req_to_slot table, any mix of prefill chunks and decodes in one flattened batch.
+
+Slots come from a shuffled permutation, so code that silently assumes contiguous slots fails.
+
+    runner = PagedRunner(model.kv_layout(), torch.float32)
+    ids, batch = runner.step([(0, [5, 6, 7]), (1, [9])])     # request 0 prefills 3, request 1 adds 1
+    out = model(ids, batch)                                   # rows in the same order as the chunks
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.models.attention import AttentionBatch, KVCache, build_attention_batch
+
+
+class PagedRunner:
+    def __init__(self, kv_layout: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 max_requests: int = 8, max_context: int = 128, seed: int = 0):
+        num_layers, num_kv_heads, head_dim = kv_layout
+        num_slots = max_requests * max_context + 1
+        generator = torch.Generator().manual_seed(seed)
+        slots = torch.randperm(num_slots, generator=generator)[:max_requests * max_context]
+        self.req_to_slot = slots.view(max_requests, max_context).to(device)
+        self.kv = KVCache.allocate(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
+        self.lengths = [0] * max_requests       # tokens of each request already in the cache
+        self.device = device
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, AttentionBatch]:
+        """chunks: (request row, new token ids) per sequence of the batch. Returns the flattened
+        input ids [T] and the AttentionBatch; the K/V of the new tokens land in the cache when
+        the model runs."""
+        rows = [row for row, _ in chunks]
+        if len(set(rows)) != len(rows):
+            raise ValueError("a request appears twice in one step")
+        q_lens = [len(tokens) for _, tokens in chunks]
+        for row, q_len in zip(rows, q_lens):
+            self.lengths[row] += q_len
+        kv_lens = [self.lengths[row] for row in rows]
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        batch = build_attention_batch(as_long(q_lens), as_long(kv_lens), as_long(rows), self.req_to_slot,
+                                      max_q=max(q_lens), max_k=max(kv_lens), kv=self.kv)
+        input_ids = as_long([token for _, tokens in chunks for token in tokens])
+        return input_ids, batch
+
+    def reset(self, row: int) -> None:
+        """Forget a request's tokens (its slots are reused by the next request on that row)."""
+        self.lengths[row] = 0
