@@ -40,6 +40,7 @@ class RankEngineClient(EngineClient):
         self.owner: dict[str, RankLink] = {}
         self.tasks: list[asyncio.Task] = []
         self.round_robin = itertools.count()
+        self.aborted: set[str] = set()         # aborted by the front; the stream's end must not abort again
         self.socket_dir = tempfile.mkdtemp(prefix="tandem-")
 
     # ---- start and stop ------------------------------------------------------------
@@ -107,6 +108,7 @@ class RankEngineClient(EngineClient):
         self.owner[rid] = link
         link.load += 1
         finished = False
+        self.aborted.discard(rid)
         try:
             link.channel.send_nowait(AddRequest(rid, input_ids, params))
             while True:
@@ -123,12 +125,14 @@ class RankEngineClient(EngineClient):
             self.streams.pop(rid, None)
             self.owner.pop(rid, None)
             link.load -= 1
-            if not finished and link.alive:
+            if not finished and link.alive and rid not in self.aborted:
                 link.channel.send_nowait(AbortRequest(rid, "abort"))
+            self.aborted.discard(rid)
 
     async def abort(self, rid: str, reason: str = "abort") -> None:
         link = self.owner.get(rid)
-        if link and link.alive:
+        if link and link.alive and rid not in self.aborted:
+            self.aborted.add(rid)
             link.channel.send_nowait(AbortRequest(rid, reason))
 
     def pick_rank(self) -> RankLink:

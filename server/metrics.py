@@ -1,0 +1,95 @@
+"""Prometheus metrics of the HTTP front, in a registry of its own.
+
+Request outcomes (`tandem_requests_total{outcome}`), counted once per HTTP
+generation request:
+  ok        the response was completed
+  abort     the client went away before the end
+  rejected  refused before generating: invalid input, or the engine refused it (e.g. overload)
+  error     the engine died or failed mid-way, or the server hit a bug
+Token counters and latency histograms are per engine request (one per choice):
+prompt tokens are counted when the first output arrives, generated tokens as they arrive.
+Rank gauges are read from `engine.rank_stats()` at scrape time.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from server.engine_client import EngineClient
+
+OUTCOMES = ("ok", "error", "abort", "rejected")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class RankStatsCollector(Collector):
+    """Engine gauges, summed over ranks (CPU fraction and accept length: mean over ranks)."""
+
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    def collect(self):
+        stats = list(self.engine.rank_stats())
+        total = lambda field: float(sum(getattr(s, field) for s in stats))   # noqa: E731
+        mean = lambda field: total(field) / len(stats) if stats else 0.0      # noqa: E731
+        gauges = [
+            ("tandem_num_running_reqs", "Requests decoding now.", total("running")),
+            ("tandem_num_waiting_reqs", "Requests waiting for admission.", total("waiting")),
+            ("tandem_kv_slots_used", "KV cache slots in use.", total("kv_used")),
+            ("tandem_kv_slots_total", "KV cache slots in all.", total("kv_total")),
+            ("tandem_steps_total", "Scheduler steps run so far.", total("steps")),
+            ("tandem_hidden_cpu_fraction", "Share of CPU scheduling time hidden behind device work (mean over ranks).",
+             mean("hidden_cpu_fraction")),
+            ("tandem_retractions_total", "Requests retracted for lack of KV space so far.", total("retractions")),
+            ("tandem_spec_accept_length", "Mean accepted tokens per speculative verify step (mean over ranks).",
+             mean("spec_accept_len")),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    """Counters and histograms the handlers update, plus the scrape-time rank gauges."""
+
+    def __init__(self, engine: EngineClient):
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("tandem_requests", "HTTP generation requests by outcome.", ["outcome"], registry=reg)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of engine requests that produced output.",
+                                     registry=reg)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated.", registry=reg)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Arrival to first output token.",
+                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between output tokens.",
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to the end of the response.",
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        reg.register(RankStatsCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def start_request(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Times one HTTP request and records its outcome exactly once."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.outcome: str | None = None
+
+    def finish(self, outcome: str) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        self.metrics.requests.labels(outcome).inc()
+        if outcome == "ok":
+            self.metrics.e2e.observe(time.perf_counter() - self.start)
