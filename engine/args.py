@@ -12,6 +12,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = str(REPO / "models" / "tandem-dense")
+DEFAULT_DRAFTS = {"eagle": str(REPO / "models" / "tandem-dense-eagle"),
+                  "eagle3": str(REPO / "models" / "tandem-dense-eagle3")}
+SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
 
 
 def flag(default, help: str, choices=None):
@@ -44,6 +47,14 @@ class ServerArgs:
     log_level: str = flag("info", "Logging level.", ["debug", "info", "warning", "error"])
     trace_file: str | None = flag(None, "Write a Chrome trace (open in Perfetto) of scheduling, launch, device and processing spans.")
     random_seed: int = flag(0, "Seed of the rank's sampling generator for requests without a seed.")
+    speculative_algorithm: str = flag("auto", "Speculative decoding: auto = eagle with the embedded head when serving the "
+                                              "embedded model (or when a draft path is given), else none. "
+                                              "SGLang's upper-case names are accepted.", SPEC_CHOICES)
+    speculative_draft_model_path: str | None = flag(None, "Draft model folder (EAGLE / EAGLE-3 head, or a small LM for "
+                                                          "standalone); default: the embedded head of the embedded model.")
+    speculative_num_steps: int = flag(3, "Draft tokens proposed per step (chain length).")
+    speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")
+    speculative_eagle_topk: int = flag(1, "Draft branching per step; only chains (1) are supported.")
     dp_size: int = flag(1, "Data-parallel ranks.")
     stream_interval: int = flag(1, "Send streamed tokens to the client every N steps.")
 
@@ -54,6 +65,40 @@ class ServerArgs:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_path).name
+
+    @property
+    def spec_algorithm(self) -> str:
+        """The resolved algorithm: none, eagle, eagle3, standalone or ngram."""
+        algo = self.speculative_algorithm.lower()
+        if algo != "auto":
+            return algo
+        if self.speculative_draft_model_path:
+            return "eagle"
+        return "eagle" if Path(self.model_path).resolve() == Path(DEFAULT_MODEL) else "none"
+
+    @property
+    def draft_model_path(self) -> str | None:
+        if self.spec_algorithm in ("none", "ngram"):
+            return None
+        if self.speculative_draft_model_path:
+            return self.speculative_draft_model_path
+        if Path(self.model_path).resolve() == Path(DEFAULT_MODEL) and self.spec_algorithm in DEFAULT_DRAFTS:
+            return DEFAULT_DRAFTS[self.spec_algorithm]
+        return None
+
+    def validate(self) -> None:
+        """Refuse contradictory flags with a message naming them."""
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only chain drafts (1) are supported")
+        if self.speculative_num_steps < 1:
+            raise ValueError("--speculative-num-steps must be at least 1")
+        if self.speculative_num_draft_tokens not in (None, self.speculative_num_steps + 1):
+            raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 "
+                             f"({self.speculative_num_steps + 1}) for chain drafts")
+        if self.spec_algorithm in ("eagle", "eagle3", "standalone") and not self.draft_model_path:
+            raise ValueError(f"--speculative-algorithm {self.spec_algorithm} needs --speculative-draft-model-path")
+        if self.page_size < 1 or self.max_running_requests < 1 or self.chunked_prefill_size < 1:
+            raise ValueError("--page-size, --max-running-requests and --chunked-prefill-size must be positive")
 
     @property
     def enable_overlap(self) -> bool:
@@ -73,10 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(name, action="store_true", help=help_text)
             continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+        if f.name == "speculative_algorithm":
+            kind = str.lower          # SGLang spells them EAGLE, EAGLE3, NGRAM, STANDALONE
         parser.add_argument(name, type=kind, default=f.default, choices=choices, help=help_text)
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    ns = build_parser().parse_args(argv)
-    return ServerArgs(**vars(ns))
+    parser = build_parser()
+    args = ServerArgs(**vars(parser.parse_args(argv)))
+    try:
+        args.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args

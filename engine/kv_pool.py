@@ -41,6 +41,12 @@ class KVPool:
         self.free_pages.extend(reversed(pages))
         pages.clear()
 
+    def release_tail(self, pages: list[int], keep: int) -> None:
+        """Return pages[keep:] to the pool."""
+        tail = pages[keep:]
+        del pages[keep:]
+        self.free_pages.extend(reversed(tail))
+
     def take_row(self) -> int | None:
         return self.free_rows.pop() if self.free_rows else None
 

@@ -18,6 +18,7 @@ from engine.models.attention import KVCache, build_attention_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, sample, token_logprobs
 from engine.scheduler import ScheduledBatch, StepOutput
+from spec.base import create_spec_worker
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class BatchInputs:
     max_q: int
     max_kv: int
     sampling: SamplingBatch
+    draft_next: torch.Tensor       # speculation, prefill: the token after each chunk (-1: the sampled one)
+    spec_decode: bool
 
 
 def resolve_dtype(name: str, device: Device) -> torch.dtype:
@@ -54,16 +57,22 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.context_length = args.context_length or self.hf_config.max_position_embeddings
         self.num_rows = args.max_running_requests
+        self.spec_tokens = args.speculative_num_steps + 1 if args.spec_algorithm != "none" else 0
         layers, kv_heads, head_dim = self.model.kv_layout()
-        self.num_slots = self.kv_capacity(KVCache.bytes_per_slot(layers, kv_heads, head_dim, self.dtype))
+        per_slot = KVCache.bytes_per_slot(layers, kv_heads, head_dim, self.dtype)
+        self.num_slots = self.kv_capacity(per_slot * (2 if self.spec_tokens else 1))   # a draft head's KV: < target's
         dev = device.torch_device
         self.kv = KVCache.allocate(layers, self.num_slots, kv_heads, head_dim, self.dtype, dev)
-        self.req_to_slot = torch.zeros(self.num_rows, self.context_length, dtype=torch.long, device=dev)
+        # Speculative steps may write up to two steps (2 * (k+1) positions) past the committed length.
+        self.req_to_slot = torch.zeros(self.num_rows, self.context_length + 2 * self.spec_tokens + 1,
+                                       dtype=torch.long, device=dev)
         self.futures = FutureMap(future_slots, dev)
         self.generator = torch.Generator(device=dev).manual_seed(args.random_seed)
-        log.info("loaded %s (%s, %s) on %s; KV cache: %d tokens, context %d",
+        self.spec = create_spec_worker(args.spec_algorithm, self) if self.spec_tokens else None
+        log.info("loaded %s (%s, %s) on %s; KV cache: %d tokens, context %d; speculation: %s",
                  Path(args.model_path).name, self.hf_config.architectures[0], self.dtype, dev,
-                 self.num_slots, self.context_length)
+                 self.num_slots, self.context_length,
+                 f"{args.spec_algorithm}, {args.speculative_num_steps} steps" if self.spec else "off")
 
     def kv_capacity(self, bytes_per_slot: int) -> int:
         args = self.args
@@ -82,12 +91,10 @@ class ModelRunner:
     # ---- CPU side ------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
-        table_rows, table_pos, q_lens, kv_lens, rows, sample_rows, future_ids, positions = [], [], [], [], [], [], [], []
+        q_lens, kv_lens, rows, sample_rows, future_ids, positions = [], [], [], [], [], []
         offset = 0
         for seq in batch.seqs:
             end = seq.start + seq.q_len
-            table_rows.extend([seq.row] * seq.q_len)
-            table_pos.extend(range(seq.start, end))
             q_lens.append(seq.q_len)
             kv_lens.append(end)
             rows.append(seq.row)
@@ -96,49 +103,73 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 future_ids.append(seq.future_id)
                 positions.append(end)
-        long = dict(dtype=torch.long)
+        long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
         return BatchInputs(
-            input_ids=torch.tensor(batch.input_ids, **long), table_rows=torch.tensor(table_rows, **long),
-            table_pos=torch.tensor(table_pos, **long), table_slots=torch.tensor(batch.write_slots, **long),
-            q_lens=torch.tensor(q_lens, **long), kv_lens=torch.tensor(kv_lens, **long),
-            rows=torch.tensor(rows, **long), sample_rows=torch.tensor(sample_rows, **long),
-            future_ids=torch.tensor(future_ids, **long), max_q=batch.max_q, max_kv=batch.max_kv,
-            sampling=SamplingBatch.build(batch.sample_params, positions, self.vocab_size, torch.device("cpu")))
+            input_ids=long(batch.input_ids), table_rows=long(batch.table_rows), table_pos=long(batch.table_pos),
+            table_slots=long(batch.table_slots), q_lens=long(q_lens), kv_lens=long(kv_lens), rows=long(rows),
+            sample_rows=long(sample_rows), future_ids=long(future_ids), max_q=batch.max_q, max_kv=batch.max_kv,
+            sampling=SamplingBatch.build(batch.sample_params, positions, self.vocab_size, torch.device("cpu")),
+            draft_next=long(batch.draft_next), spec_decode=batch.is_spec_decode)
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         inputs = self.prepare(batch)
+        if inputs.spec_decode:
+            return self.device.launch(lambda: self.speculative_step(inputs))
         return self.device.launch(lambda: self.forward_and_sample(inputs))
 
     # ---- on the stream -------------------------------------------------------------
 
+    def update_table(self, inp: BatchInputs) -> None:
+        dev = self.device.torch_device
+        if inp.table_rows.numel():
+            self.req_to_slot[inp.table_rows.to(dev), inp.table_pos.to(dev)] = inp.table_slots.to(dev)
+
     def forward_and_sample(self, inp: BatchInputs) -> tuple:
         dev = self.device.torch_device
-        put = lambda t: t.to(dev, non_blocking=True)
-        self.req_to_slot[put(inp.table_rows), put(inp.table_pos)] = put(inp.table_slots)
+        put = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
+        self.update_table(inp)
         input_ids = self.futures.resolve(put(inp.input_ids))
         attn = build_attention_batch(put(inp.q_lens), put(inp.kv_lens), put(inp.rows), self.req_to_slot,
                                      inp.max_q, inp.max_kv, self.kv)
-        hidden = self.model(input_ids, attn).hidden
+        out = self.model(input_ids, attn, capture_aux=self.spec is not None and self.spec.needs_aux)
         if inp.sample_rows.numel() == 0:
+            if self.spec:
+                self.spec.after_prefill(inp, input_ids, attn, out, input_ids[:0])
             return ()
-        logits = self.model.compute_logits(hidden[put(inp.sample_rows)])
-        tokens = sample(logits, to_device(inp.sampling, dev), self.generator)
+        logits = self.model.compute_logits(out.hidden[put(inp.sample_rows)])
+        sb = to_device(inp.sampling, dev)
+        tokens = sample(logits, sb, self.generator)
         self.futures.store(put(inp.future_ids), tokens)
-        host = lambda t: t.to("cpu", non_blocking=True)
-        if inp.sampling.max_logprobs is None:
-            return (host(tokens),)
-        chosen, values, ids = token_logprobs(logits, tokens, inp.sampling.max_logprobs)
-        return host(tokens), host(chosen), host(values), host(ids)
+        if self.spec:
+            self.spec.after_prefill(inp, input_ids, attn, out, tokens)
+        return self.step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb)
+
+    def speculative_step(self, inp: BatchInputs) -> tuple:
+        self.update_table(inp)
+        return self.spec.decode_step(inp)
+
+    def step_result(self, emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch) -> tuple:
+        """Host copies of a step's outputs: emitted [B, R] tokens of which the first n+1 count,
+        and, when asked, logprobs of the model's distribution at each of the R rows."""
+        host = lambda t: t.to("cpu", non_blocking=True)  # noqa: E731
+        if sb.max_logprobs is None:
+            return host(emitted), host(n)
+        batch, rows = emitted.shape
+        chosen, values, ids = token_logprobs(logits.reshape(batch * rows, -1), emitted.reshape(-1), sb.max_logprobs)
+        return (host(emitted), host(n), host(chosen.view(batch, rows)), host(values.view(batch, rows, -1)),
+                host(ids.view(batch, rows, -1)))
 
     @staticmethod
     def output(result: tuple) -> StepOutput:
         """Host lists from a finished batch's tensors (called after its event fired)."""
         if not result:
             return StepOutput(tokens=[])
-        out = StepOutput(tokens=result[0].tolist())
-        if len(result) > 1:
-            out.logprobs = result[1].tolist()
-            out.top_logprobs = [list(zip(i, v)) for i, v in zip(result[3].tolist(), result[2].tolist())]
+        counts = [n + 1 for n in result[1].tolist()]
+        out = StepOutput(tokens=[row[:c] for row, c in zip(result[0].tolist(), counts)])
+        if len(result) > 2:
+            out.logprobs = [row[:c] for row, c in zip(result[2].tolist(), counts)]
+            out.top_logprobs = [[list(zip(i, v)) for i, v in zip(ids[:c], vals[:c])]
+                                for ids, vals, c in zip(result[4].tolist(), result[3].tolist(), counts)]
         return out
 
 

@@ -45,7 +45,8 @@ class Rank:
         self.scheduler = Scheduler(SchedulerConfig(
             max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
             max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-            context_length=self.runner.context_length, future_slots=future_slots), self.pool, eos_ids)
+            context_length=self.runner.context_length, future_slots=future_slots,
+            spec_tokens=self.runner.spec_tokens), self.pool, eos_ids)
         self.inbox: list = []
         self.wake = asyncio.Event()
         self.stopping = False
@@ -100,7 +101,7 @@ class Rank:
                          tokens=in_flight.batch.num_tokens)
         output = self.runner.output(result)
         touched = self.scheduler.process(in_flight.batch, output)
-        self.generated += len(output.tokens)
+        self.generated += sum(len(run) for run in output.tokens)
         for req in touched:
             self.send_delta(req)
         end = time.perf_counter()
@@ -121,7 +122,8 @@ class Rank:
     async def read_front(self) -> None:
         try:
             while True:
-                self.inbox.append(await self.channel.recv())
+                msg = await self.channel.recv()
+                self.inbox.append(msg)       # NOTE: not `self.inbox.append(await ...)`: take_inbox swaps the list
                 self.wake.set()
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             log.warning("rank %d: front connection closed (%s); stopping", self.rank, type(exc).__name__)
@@ -133,6 +135,7 @@ class Rank:
         messages, self.inbox = self.inbox, []
         for msg in messages:
             if isinstance(msg, AddRequest):
+                log.debug("add %s (%d prompt tokens)", msg.rid, len(msg.input_ids))
                 error = self.scheduler.add(msg.rid, msg.input_ids, msg.params)
                 if error:
                     status = 503 if error == "overloaded" else 400
@@ -153,6 +156,8 @@ class Rank:
             top = req.output_top_logprobs[req.sent:]
         else:
             logprobs = top = None
+        if req.finished:
+            log.debug("finish %s: %s after %d tokens", req.rid, req.finish_reason, len(req.output_ids))
         self.channel.send_nowait(TokenDelta(
             rid=req.rid, token_ids=new, logprobs=logprobs, top_logprobs=top,
             finish_reason=req.finish_reason, matched_stop=req.matched_stop,

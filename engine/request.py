@@ -38,6 +38,7 @@ class Request:
         self.row: int | None = None
         self.pages: list[int] = []
         self.kv_len = 0
+        self.prefilled = False        # its last prompt chunk has been launched
         self.pending = 0
         self.future_id = 0
         self.finish_reason: str | None = None
@@ -53,11 +54,6 @@ class Request:
     @property
     def known_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
-
-    @property
-    def prefilling(self) -> bool:
-        """Still feeding known tokens (the prompt, or prompt + outputs after a retraction)."""
-        return self.kv_len < self.known_len - 1 or (self.kv_len == 0)
 
     @property
     def finished(self) -> bool:

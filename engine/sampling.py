@@ -66,14 +66,22 @@ def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def exponential_noise(shape: tuple[int, int], sb: SamplingBatch, generator: torch.Generator | None,
-                      device: torch.device) -> torch.Tensor:
-    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+def seeded_noise(shape: tuple[int, ...], sb: SamplingBatch, generator: torch.Generator | None,
+                 device: torch.device, kind: str = "exponential", salt: int = 0) -> torch.Tensor:
+    """Exponential or uniform noise [N, ...]: rows of seeded requests come from a generator
+    seeded by (seed, position, salt); the others from the rank's generator."""
+    draw = (lambda t, g: t.exponential_(generator=g)) if kind == "exponential" else (lambda t, g: t.uniform_(generator=g))
+    noise = draw(torch.empty(shape, device=device), generator)
     for row, seed in enumerate(sb.seeds):
         if seed is not None:
-            g = torch.Generator(device=device).manual_seed(seed * SEED_STRIDE + sb.positions[row])
-            noise[row] = torch.empty(shape[1], device=device).exponential_(generator=g)
+            g = torch.Generator(device=device).manual_seed((seed * SEED_STRIDE + sb.positions[row]) * 64 + salt)
+            noise[row] = draw(torch.empty(shape[1:], device=device), g)
     return noise
+
+
+def exponential_noise(shape: tuple[int, int], sb: SamplingBatch, generator: torch.Generator | None,
+                      device: torch.device) -> torch.Tensor:
+    return seeded_noise(shape, sb, generator, device)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:

@@ -8,6 +8,12 @@ its fed tokens reach the end of what is known; its output goes to a future-map s
 
 NOTE: with overlap, schedule(N+1) runs before process(N). Invariant at schedule
 time for a decoding request: kv_len == known_len + pending - 1.
+
+With speculation (spec_tokens = k+1 > 0) a decode step is a draft/verify run of
+k+1 tokens whose start and accepted length live on the device. `kv_len` is then an
+upper bound: each launched step adds k+1, each processed step gives back what it did
+not accept, and the pages past the bound are returned. Prefill and speculative
+decode go in separate batches.
 """
 from __future__ import annotations
 
@@ -23,13 +29,15 @@ from engine.request import Request, Status
 class SeqWork:
     req: Request
     row: int
-    start: int          # first position fed
+    start: int          # first position fed (speculative decode: an upper bound; the device knows)
     q_len: int          # tokens fed
     future_id: int = 0  # > 0 when this sequence samples; its output's future-map slot
+    spec: bool = False  # a speculative draft/verify step
+    last_chunk: bool = False
 
     @property
     def samples(self) -> bool:
-        return self.future_id > 0
+        return self.future_id > 0 or self.spec
 
 
 @dataclass
@@ -37,8 +45,15 @@ class ScheduledBatch:
     step: int
     seqs: list[SeqWork]
     input_ids: list[int]        # flattened over seqs; -f means "the token in future slot f"
-    write_slots: list[int]      # KV slot of each fed token
+    table_rows: list[int] = field(default_factory=list)    # request->slot table entries this batch sets:
+    table_pos: list[int] = field(default_factory=list)     #   table[row, pos] = slot, for every newly
+    table_slots: list[int] = field(default_factory=list)   #   allocated position
     sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
+    draft_next: list[int] = field(default_factory=list)    # speculation, prefill: token after each chunk (-1: sampled)
+
+    @property
+    def is_spec_decode(self) -> bool:
+        return bool(self.seqs) and self.seqs[0].spec
 
     @property
     def num_tokens(self) -> int:
@@ -59,10 +74,11 @@ class ScheduledBatch:
 
 @dataclass
 class StepOutput:
-    """What a finished batch produced, on the host, one entry per sampling seq."""
-    tokens: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """What a finished batch produced, on the host: per sampling seq, the run of tokens
+    it emits (one token, or a speculative step's accepted tokens plus the bonus)."""
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,7 @@ class SchedulerConfig:
     chunked_prefill_size: int
     context_length: int
     future_slots: int
+    spec_tokens: int = 0     # k+1 tokens per speculative decode step; 0 without speculation
 
 
 class Scheduler:
@@ -123,12 +140,16 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         self.step += 1
-        decodes = [r for r in self.running if self.is_decoding(r)]
-        self.make_room_for(decodes)
-        batch = ScheduledBatch(step=self.step, seqs=[], input_ids=[], write_slots=[])
-        for req in decodes:
-            if req.status is Status.RUNNING:
-                self.feed(batch, req, 1)
+        batch = ScheduledBatch(step=self.step, seqs=[], input_ids=[])
+        spec = self.config.spec_tokens > 0
+        if not (spec and self.prefill_ready()):
+            decodes = [r for r in self.running if self.is_decoding(r)]
+            self.make_room_for(decodes)
+            for req in decodes:
+                if req.status is Status.RUNNING:
+                    self.feed_spec(batch, req) if spec else self.feed(batch, req, 1)
+            if spec and batch.seqs:
+                return batch
         budget = self.config.max_prefill_tokens
         for req in [r for r in self.running if not self.is_decoding(r)]:
             budget -= self.feed_chunk(batch, req, budget)
@@ -143,20 +164,32 @@ class Scheduler:
             budget -= self.feed_chunk(batch, req, budget)
         return batch if batch.seqs else None
 
+    def prefill_ready(self) -> bool:
+        """Speculation: run a prefill batch now (new or chunked prompts can make progress)."""
+        if any(not self.is_decoding(r) for r in self.running):
+            return True
+        return (bool(self.waiting) and self.waiting[0].pending == 0
+                and len(self.running) < self.config.max_running_requests
+                and self.can_admit(self.waiting[0], self.config.max_prefill_tokens))
+
     def is_decoding(self, req: Request) -> bool:
+        if self.config.spec_tokens:
+            return req.prefilled             # its last chunk is launched: the device holds its spec state
         return req.kv_len >= req.known_len - 1
 
     def can_admit(self, req: Request, budget: int) -> bool:
         if not self.pool.free_rows:
             return False
         chunk = min(req.known_len, self.config.chunked_prefill_size, budget)
-        reserve = len(self.running) * self.pool.page_size      # next decode step of everyone running
-        return self.pool.pages_for(chunk) * self.pool.page_size + reserve <= len(self.pool.free_pages) * self.pool.page_size
+        reserve = len(self.running) * (self.config.spec_tokens or 1)   # next decode step of everyone running
+        return self.pool.pages_for(chunk) + self.pool.pages_for(reserve) <= len(self.pool.free_pages)
 
     def make_room_for(self, decodes: list[Request]) -> None:
         """Retract the newest running requests until every decode can grow by one token."""
+        growth = self.config.spec_tokens or 1
+
         def pages_needed() -> int:
-            return sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages)
+            return sum(self.pool.pages_for(r.kv_len + growth) - len(r.pages)
                        for r in decodes if r.status is Status.RUNNING)
         while pages_needed() > len(self.pool.free_pages) and self.running:
             self.retract(self.running[-1])
@@ -167,7 +200,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.release(req.pages)
         self.pool.give_row(req.row)
-        req.row, req.kv_len, req.status = None, 0, Status.WAITING
+        req.row, req.kv_len, req.status, req.prefilled = None, 0, Status.WAITING, False
         req.retractions += 1
         self.retractions += 1
         self.waiting.appendleft(req)
@@ -179,22 +212,43 @@ class Scheduler:
         self.feed(batch, req, size)
         return size
 
+    def allocate(self, batch: ScheduledBatch, req: Request, end: int) -> None:
+        """Grow the request's pages to hold positions [0, end) and set the new table entries."""
+        have = len(req.pages) * self.pool.page_size
+        grown = self.pool.grow(req.pages, end)
+        assert grown, "allocate() after a failed capacity check"
+        new_end = len(req.pages) * self.pool.page_size
+        if new_end > have:
+            batch.table_rows.extend([req.row] * (new_end - have))
+            batch.table_pos.extend(range(have, new_end))
+            batch.table_slots.extend(self.pool.slots(req.pages, have, new_end))
+
     def feed(self, batch: ScheduledBatch, req: Request, size: int) -> None:
         start, end = req.kv_len, req.kv_len + size
-        grown = self.pool.grow(req.pages, end)
-        assert grown, "feed() after a failed capacity check"
+        self.allocate(batch, req, end)
         if req.pending:
             batch.input_ids.append(-req.future_id)
         else:
             batch.input_ids.extend(req.all_ids[start:end])
-        batch.write_slots.extend(self.pool.slots(req.pages, start, end))
-        seq = SeqWork(req=req, row=req.row, start=start, q_len=size)
-        if end >= req.known_len:
+        seq = SeqWork(req=req, row=req.row, start=start, q_len=size, last_chunk=end >= req.known_len)
+        if seq.last_chunk:
+            req.prefilled = True
             seq.future_id = req.future_id = self.take_future()
             req.pending += 1
             batch.sample_params.append(req.params)
+        if self.config.spec_tokens:       # the draft reads token t+1 at position t; a last chunk's is sampled
+            batch.draft_next.append(-1 if seq.last_chunk else req.all_ids[end])
         req.kv_len = end
         batch.seqs.append(seq)
+
+    def feed_spec(self, batch: ScheduledBatch, req: Request) -> None:
+        """One speculative step: its k+1 positions start where the device says."""
+        size = self.config.spec_tokens
+        self.allocate(batch, req, req.kv_len + size)
+        batch.seqs.append(SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, spec=True))
+        batch.sample_params.append(req.params)
+        req.kv_len += size
+        req.pending += 1
 
     def take_future(self) -> int:
         """Ring of future-map slots; slot 0 is never used (-0 is not a reference)."""
@@ -211,16 +265,28 @@ class Scheduler:
             if req.finished:
                 continue                      # finished (or aborted) after this batch was scheduled
             req.pending -= 1
-            token = out.tokens[i]
-            req.output_ids.append(token)
-            if out.logprobs is not None:
-                req.output_logprobs.append(out.logprobs[i])
-            if out.top_logprobs is not None:
-                req.output_top_logprobs.append(out.top_logprobs[i])
-            if req.check_finish(token, self.config.context_length):
-                self.finish(req)
+            run = out.tokens[i]
+            if seq.spec and req.status is Status.RUNNING:
+                self.give_back(req, self.config.spec_tokens - len(run))
+            for j, token in enumerate(run):
+                req.output_ids.append(token)
+                if out.logprobs is not None:
+                    req.output_logprobs.append(out.logprobs[i][j])
+                if out.top_logprobs is not None:
+                    req.output_top_logprobs.append(out.top_logprobs[i][j])
+                if req.check_finish(token, self.config.context_length):
+                    self.finish(req)          # a stop inside an accepted run cuts the run there
+                    break
             touched.append(req)
         return touched
+
+    def give_back(self, req: Request, unused: int) -> None:
+        """A speculative step accepted fewer than k+1 tokens: lower the KV bound and return
+        whole pages past it (no launched step writes there: the bound covers all in flight)."""
+        req.kv_len -= unused
+        keep = self.pool.pages_for(req.kv_len)
+        if len(req.pages) > keep:
+            self.pool.release_tail(req.pages, keep)
 
     def finish(self, req: Request) -> None:
         """Free everything the request holds, exactly once. Safe while a batch that

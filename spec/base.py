@@ -1,0 +1,64 @@
+"""Speculative decoding plugs into the rank's ModelRunner: a worker owns the draft
+side (a draft model and its KV cache, or none) and the per-row speculative state on
+the device; the scheduler only knows that a decode step feeds k+1 tokens.
+
+Per-row device state, written by the step that produced it and read by the next
+(the device runs steps in order, so the CPU never waits for it):
+
+  kv_len[row]        tokens of the request in the KV cache (target and draft share slots)
+  bonus[row]         the last emitted token, not yet in the cache (fed first by the next verify)
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.model_runner import BatchInputs, ModelRunner
+    from engine.models.attention import AttentionBatch
+    from engine.models.base import ModelOutput
+
+ALGORITHMS = {
+    "eagle": "spec.eagle_worker:EagleWorker",
+    "eagle3": "spec.eagle_worker:EagleWorker",
+    "standalone": "spec.standalone_worker:StandaloneWorker",
+    "ngram": "spec.ngram_worker:NgramWorker",
+}
+
+
+def normalize_algorithm(name: str | None) -> str:
+    name = (name or "none").lower()
+    return "none" if name in ("none", "") else name
+
+
+class SpecWorker(ABC):
+    needs_aux = False          # the target must return EAGLE-3 aux hidden states
+
+    def __init__(self, runner: "ModelRunner", num_steps: int):
+        self.runner = runner
+        self.k = num_steps
+        rows, dev = runner.num_rows, runner.device.torch_device
+        self.kv_len = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.bonus = torch.zeros(rows, dtype=torch.long, device=dev)
+
+    @abstractmethod
+    def after_prefill(self, inp: "BatchInputs", input_ids: torch.Tensor, attn: "AttentionBatch",
+                      out: "ModelOutput", sampled: torch.Tensor) -> None:
+        """On the stream, after a prefill batch sampled: seed the rows whose prompt is now complete."""
+
+    @abstractmethod
+    def decode_step(self, inp: "BatchInputs") -> tuple:
+        """On the stream: draft, verify, accept, update state. Returns host tensors
+        (emitted [B, k+1], accepted drafts n [B], and logprob tensors when asked)."""
+
+    def extra_kv_bytes_per_slot(self) -> int:
+        """Bytes of the draft's own KV per slot (0 without a draft model)."""
+        return 0
+
+
+def create_spec_worker(algorithm: str, runner: "ModelRunner") -> SpecWorker:
+    module, cls = ALGORITHMS[algorithm].split(":")
+    return getattr(importlib.import_module(module), cls)(runner)

@@ -1,0 +1,132 @@
+"""EAGLE / EAGLE-3 chain drafting, on the stream, with fixed shapes.
+
+A step for B decoding requests (k = num_steps; L = kv_len[row]; b = bonus[row]):
+
+  draft    d_1 comes from the previous extend; for i = 2..k the head reads (d_{i-1}, g)
+           at position L+i-2 and proposes d_i                       (k-1 forwards of B rows)
+  verify   the target reads [b, d_1..d_k] at positions L..L+k      (one forward of B*(k+1) rows)
+  accept   n leading drafts match; emitted = the n drafts + the target's token after them
+  extend   the head reads (emitted_i, f_i) at positions L..L+k for every row i (fixed shape),
+           and row n's output gives the next step's g and d_1
+  state    kv_len += n+1, bonus = emitted_n
+
+Draft position t reads token t+1 and the target's feature at t, so after a prefill of
+P tokens the extend reads prompt[1:] + [sampled token].
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.models.attention import KVCache, build_attention_batch
+from engine.models.loader import load_draft
+from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
+from spec.base import SpecWorker
+from spec.verify import verify_greedy, verify_sampled
+
+
+class EagleWorker(SpecWorker):
+    def __init__(self, runner):
+        super().__init__(runner, runner.args.speculative_num_steps)
+        dev = runner.device.torch_device
+        self.head, _ = load_draft(runner.args.draft_model_path, runner.model, runner.dtype, dev)
+        self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
+        layers, kv_heads, head_dim = self.head.kv_layout()
+        self.draft_kv = KVCache.allocate(layers, runner.num_slots, kv_heads, head_dim, runner.dtype, dev)
+        rows, vocab = runner.num_rows, runner.vocab_size
+        self.draft_first = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.draft_hidden = torch.zeros(rows, self.head.hidden_size, dtype=runner.dtype, device=dev)
+        self.first_probs = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
+        self.draft_ids = self.head.draft_to_target(torch.arange(self.head.compute_logits(
+            torch.zeros(1, self.head.hidden_size, dtype=runner.dtype, device=dev)).shape[-1], device=dev))
+
+    # ---- drafting ------------------------------------------------------------------
+
+    def propose(self, hidden: torch.Tensor, sb: SamplingBatch, salt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Head output rows -> draft tokens (target ids) and, when any row samples, q over the target vocab."""
+        logits = self.head.compute_logits(hidden)
+        greedy = self.head.draft_to_target(logits.argmax(dim=-1))
+        if sb.all_greedy:
+            return greedy, None
+        q_draft = filtered_probs(logits, sb)
+        q = torch.zeros(q_draft.shape[0], self.runner.vocab_size, device=q_draft.device)
+        q[:, self.draft_ids] = q_draft
+        noise = seeded_noise(tuple(q.shape), sb, self.runner.generator, q.device, salt=salt)
+        sampled = (q / noise).argmax(dim=-1)
+        return torch.where(sb.greedy, greedy, sampled), q
+
+    def seed_rows(self, rows: torch.Tensor, g: torch.Tensor, sb: SamplingBatch, salt: int) -> None:
+        first, q = self.propose(g, sb, salt)
+        self.draft_first[rows] = first
+        self.draft_hidden[rows] = g.to(self.draft_hidden.dtype)
+        if q is not None:
+            self.first_probs[rows] = q
+
+    # ---- prefill -------------------------------------------------------------------
+
+    def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
+        dev = sampled.device
+        last = torch.cumsum(inp.q_lens.to(dev), 0) - 1                         # last token of each seq
+        next_ids = torch.roll(input_ids, -1)
+        after = inp.draft_next.to(dev)
+        samples = after < 0
+        after = after.clone()
+        after[samples] = sampled                                               # sampling seqs = last chunks
+        next_ids[last] = after
+        features = out.aux_hidden if self.needs_aux else out.hidden
+        g_all = self.head(next_ids, features, dataclasses.replace(attn, kv=self.draft_kv))
+        if not bool(samples.any()):
+            return
+        rows = inp.rows.to(dev)[samples]
+        self.kv_len[rows] = inp.kv_lens.to(dev)[samples]
+        self.bonus[rows] = sampled
+        self.seed_rows(rows, g_all[last[samples]], inp.sampling, salt=1)
+
+    # ---- one speculative step ------------------------------------------------------
+
+    def decode_step(self, inp) -> tuple:
+        runner, k, sb = self.runner, self.k, inp.sampling
+        dev = runner.device.torch_device
+        rows = inp.rows.to(dev)
+        batch = rows.shape[0]
+        L = self.kv_len[rows]
+        ones = torch.ones_like(rows)
+        drafts, qs = [self.draft_first[rows]], [self.first_probs[rows]]
+        g = self.draft_hidden[rows]
+        for i in range(2, k + 1):
+            attn = build_attention_batch(ones, L + i - 1, rows, runner.req_to_slot, 1, inp.max_kv, self.draft_kv)
+            g = self.head(drafts[-1], g, attn)
+            token, q = self.propose(g, sb, salt=1 + i)
+            drafts.append(token)
+            qs.append(q)
+        drafts_t = torch.stack(drafts, dim=1)                                  # [B, k]
+        verify_ids = torch.cat([self.bonus[rows][:, None], drafts_t], dim=1).reshape(-1)
+        attn = build_attention_batch(ones * (k + 1), L + k + 1, rows, runner.req_to_slot, k + 1, inp.max_kv,
+                                     runner.kv)
+        out = runner.model(verify_ids, attn, capture_aux=self.needs_aux)
+        logits = runner.model.compute_logits(out.hidden).view(batch, k + 1, -1)
+        emitted, n = verify_greedy(drafts_t, logits)
+        if not sb.all_greedy:
+            target_probs = filtered_probs(logits.reshape(batch * (k + 1), -1), expand(sb, k + 1)).view(batch, k + 1, -1)
+            uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
+            exponential = seeded_noise((batch, logits.shape[-1]), sb, runner.generator, dev, salt=21)
+            sampled, n_sampled = verify_sampled(drafts_t, torch.stack(qs, dim=1), target_probs, uniform, exponential)
+            emitted = torch.where(sb.greedy[:, None], emitted, sampled)
+            n = torch.where(sb.greedy, n, n_sampled)
+        features = out.aux_hidden if self.needs_aux else out.hidden
+        g_all = self.head(emitted.reshape(-1), features, dataclasses.replace(attn, kv=self.draft_kv))
+        pick = torch.arange(batch, device=dev)
+        self.seed_rows(rows, g_all.view(batch, k + 1, -1)[pick, n], sb, salt=30)
+        self.kv_len[rows] = L + n + 1
+        self.bonus[rows] = emitted[pick, n]
+        return runner.step_result(emitted, n, logits, sb)
+
+
+def expand(sb: SamplingBatch, times: int) -> SamplingBatch:
+    """Repeat every row's sampling parameters `times` times (one per verify row)."""
+    rep = lambda t: t.repeat_interleave(times, dim=0)  # noqa: E731
+    return dataclasses.replace(sb, temperature=rep(sb.temperature), top_k=rep(sb.top_k), top_p=rep(sb.top_p),
+                               min_p=rep(sb.min_p), greedy=rep(sb.greedy),
+                               seeds=[s for s in sb.seeds for _ in range(times)],
+                               positions=[p for p in sb.positions for _ in range(times)])
