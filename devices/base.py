@@ -53,6 +53,14 @@ class Device(ABC):
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
 
+    def mark(self) -> Any:
+        """A point on the stream, for timing phases of launched work (call on the stream)."""
+        return time.perf_counter()
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        """Device time between two marks of work that has finished."""
+        return end - start
+
     def close(self) -> None:
         """Stop helper threads."""
 

@@ -45,6 +45,14 @@ class StreamDevice(Device):
         self.waiter.submit(wait)
         return launched
 
+    def mark(self) -> Any:
+        event = self.module.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0
+
     def synchronize(self) -> None:
         self.stream.synchronize()
 

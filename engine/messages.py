@@ -76,7 +76,10 @@ class RankStats(msgspec.Struct, tag=True):
     steps: int
     hidden_cpu_fraction: float     # share of CPU scheduling time that overlapped device execution
     retractions: int = 0
-    spec_accept_len: float = 0.0
+    spec_accept_len: float = 0.0          # mean tokens emitted per verify step, since start
+    spec_accept_hist: list[int] = []      # verify steps that emitted i+1 tokens, since start
+    spec_phase_seconds: dict[str, float] = {}   # device seconds in draft / verify / extend, since start
+    spec_steps: int = 0
 
 
 class RankReady(msgspec.Struct, tag=True):

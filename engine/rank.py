@@ -53,6 +53,8 @@ class Rank:
         self.tracer = Tracer(args.trace_file, rank)
         self.overlap = OverlapMeter()
         self.generated = 0
+        self.accept_hist = [0] * self.runner.spec_tokens      # emitted 1 .. k+1 tokens
+        self.phase_seconds: dict[str, float] = {}
         self.last_stats = self.last_log = time.perf_counter()
 
     # ---- the loop ------------------------------------------------------------------
@@ -100,6 +102,8 @@ class Rank:
         self.tracer.span("device", f"forward {in_flight.batch.step}", launched.started, launched.finished,
                          tokens=in_flight.batch.num_tokens)
         output = self.runner.output(result)
+        if in_flight.batch.is_spec_decode:
+            self.account_spec_step(in_flight, output)
         touched = self.scheduler.process(in_flight.batch, output)
         self.generated += sum(len(run) for run in output.tokens)
         for req in touched:
@@ -107,6 +111,15 @@ class Rank:
         end = time.perf_counter()
         self.overlap.cpu(start, end)
         self.tracer.span("process", f"process {in_flight.batch.step}", start, end)
+
+    def account_spec_step(self, in_flight: InFlight, output) -> None:
+        for run in output.tokens:
+            self.accept_hist[len(run) - 1] += 1
+        t = in_flight.launched.started
+        for phase, seconds in self.runner.spec.take_phase_times():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+            self.tracer.span("device", phase, t, t + seconds)
+            t += seconds
 
     async def idle(self) -> None:
         self.wake.clear()
@@ -161,7 +174,8 @@ class Rank:
         self.channel.send_nowait(TokenDelta(
             rid=req.rid, token_ids=new, logprobs=logprobs, top_logprobs=top,
             finish_reason=req.finish_reason, matched_stop=req.matched_stop,
-            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids)))
+            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
+            spec_verify_ct=req.spec_verify_ct))
         req.sent = len(req.output_ids)
 
     def report(self) -> None:
@@ -170,14 +184,21 @@ class Rank:
             return
         self.channel.send_nowait(self.stats())
         if now - self.last_log >= LOG_INTERVAL and self.generated:
-            log.info("rank %d: %.1f tok/s, running %d, waiting %d, KV %d/%d, hidden CPU %.0f%%",
+            log.info("rank %d: %.1f tok/s, running %d, waiting %d, KV %d/%d, hidden CPU %.0f%%%s",
                      self.rank, self.generated / (now - self.last_log), len(self.scheduler.running),
                      len(self.scheduler.waiting), self.pool.used_slots, self.pool.total_slots,
-                     100 * self.overlap.hidden_fraction)
+                     100 * self.overlap.hidden_fraction,
+                     f", accept length {self.accept_length():.2f}" if self.runner.spec else "")
             self.generated, self.last_log = 0, now
         self.last_stats = now
+
+    def accept_length(self) -> float:
+        steps = sum(self.accept_hist)
+        return sum((i + 1) * c for i, c in enumerate(self.accept_hist)) / steps if steps else 0.0
 
     def stats(self) -> RankStats:
         return RankStats(rank=self.rank, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                          kv_used=self.pool.used_slots, kv_total=self.pool.total_slots, steps=self.scheduler.step,
-                         hidden_cpu_fraction=self.overlap.hidden_fraction, retractions=self.scheduler.retractions)
+                         hidden_cpu_fraction=self.overlap.hidden_fraction, retractions=self.scheduler.retractions,
+                         spec_accept_len=self.accept_length(), spec_accept_hist=list(self.accept_hist),
+                         spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist))

@@ -39,6 +39,7 @@ class Request:
         self.pages: list[int] = []
         self.kv_len = 0
         self.prefilled = False        # its last prompt chunk has been launched
+        self.spec_verify_ct = 0       # speculative verify steps that produced output for it
         self.pending = 0
         self.future_id = 0
         self.finish_reason: str | None = None

@@ -266,8 +266,10 @@ class Scheduler:
                 continue                      # finished (or aborted) after this batch was scheduled
             req.pending -= 1
             run = out.tokens[i]
-            if seq.spec and req.status is Status.RUNNING:
-                self.give_back(req, self.config.spec_tokens - len(run))
+            if seq.spec:
+                req.spec_verify_ct += 1
+                if req.status is Status.RUNNING:
+                    self.give_back(req, self.config.spec_tokens - len(run))
             for j, token in enumerate(run):
                 req.output_ids.append(token)
                 if out.logprobs is not None:

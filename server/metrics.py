@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from server.engine_client import EngineClient
@@ -49,6 +49,26 @@ class RankStatsCollector(Collector):
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from spec_metrics(stats)
+
+
+def spec_metrics(stats):
+    """Accept-length histogram and draft/verify/extend device time, summed over ranks."""
+    width = max((len(s.spec_accept_hist) for s in stats), default=0)
+    counts = [sum(s.spec_accept_hist[i] for s in stats if i < len(s.spec_accept_hist)) for i in range(width)]
+    buckets, running = [], 0
+    for i, count in enumerate(counts):
+        running += count
+        buckets.append((str(float(i + 1)), running))
+    buckets.append(("+Inf", running))
+    total = float(sum((i + 1) * c for i, c in enumerate(counts)))
+    yield HistogramMetricFamily("tandem_spec_accept_length_per_step", "Tokens emitted per speculative verify step.",
+                                buckets=buckets, sum_value=total)
+    phases = CounterMetricFamily("tandem_spec_phase_seconds", "Device seconds spent per speculative phase.",
+                                 labels=["phase"])
+    for phase in ("draft", "verify", "extend"):
+        phases.add_metric([phase], sum(s.spec_phase_seconds.get(phase, 0.0) for s in stats))
+    yield phases
 
 
 class Metrics:

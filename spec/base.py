@@ -11,6 +11,7 @@ Per-row device state, written by the step that produced it and read by the next
 from __future__ import annotations
 
 import importlib
+from collections import deque
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,17 @@ class SpecWorker(ABC):
         rows, dev = runner.num_rows, runner.device.torch_device
         self.kv_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.bonus = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.phase_marks: deque[list[tuple[str, object]]] = deque()   # per decode step, in launch order
+
+    def mark(self, phase: str, marks: list) -> None:
+        """Record the end of a phase (draft, verify, extend) of the step being launched."""
+        marks.append((phase, self.runner.device.mark()))
+
+    def take_phase_times(self) -> list[tuple[str, float]]:
+        """(phase, seconds) of the oldest finished decode step; call once per finished step."""
+        marks = self.phase_marks.popleft()
+        device = self.runner.device
+        return [(name, device.seconds_between(prev, cur)) for (_, prev), (name, cur) in zip(marks, marks[1:])]
 
     @abstractmethod
     def after_prefill(self, inp: "BatchInputs", input_ids: torch.Tensor, attn: "AttentionBatch",

@@ -90,6 +90,7 @@ class EagleWorker(SpecWorker):
         dev = runner.device.torch_device
         rows = inp.rows.to(dev)
         batch = rows.shape[0]
+        marks = [("start", runner.device.mark())]
         L = self.kv_len[rows]
         ones = torch.ones_like(rows)
         drafts, qs = [self.draft_first[rows]], [self.first_probs[rows]]
@@ -101,6 +102,7 @@ class EagleWorker(SpecWorker):
             drafts.append(token)
             qs.append(q)
         drafts_t = torch.stack(drafts, dim=1)                                  # [B, k]
+        self.mark("draft", marks)
         verify_ids = torch.cat([self.bonus[rows][:, None], drafts_t], dim=1).reshape(-1)
         attn = build_attention_batch(ones * (k + 1), L + k + 1, rows, runner.req_to_slot, k + 1, inp.max_kv,
                                      runner.kv)
@@ -114,12 +116,15 @@ class EagleWorker(SpecWorker):
             sampled, n_sampled = verify_sampled(drafts_t, torch.stack(qs, dim=1), target_probs, uniform, exponential)
             emitted = torch.where(sb.greedy[:, None], emitted, sampled)
             n = torch.where(sb.greedy, n, n_sampled)
+        self.mark("verify", marks)
         features = out.aux_hidden if self.needs_aux else out.hidden
         g_all = self.head(emitted.reshape(-1), features, dataclasses.replace(attn, kv=self.draft_kv))
         pick = torch.arange(batch, device=dev)
         self.seed_rows(rows, g_all.view(batch, k + 1, -1)[pick, n], sb, salt=30)
         self.kv_len[rows] = L + n + 1
         self.bonus[rows] = emitted[pick, n]
+        self.mark("extend", marks)
+        self.phase_marks.append(marks)
         return runner.step_result(emitted, n, logits, sb)
 
 
