@@ -25,19 +25,19 @@ class FakeDevice:
 
     def __init__(self):
         self.futures = {}
-        self.kv = {}          # slot -> token written there
+        self.table = {}       # (row, position) -> slot
 
     def run(self, batch):
         tokens, offset = [], 0
         for seq in batch.seqs:
             fed = [self.futures[-t] if t < 0 else t for t in batch.input_ids[offset:offset + seq.q_len]]
-            for slot, tok in zip(batch.write_slots[offset:offset + seq.q_len], fed):
-                self.kv[slot] = tok
             offset += seq.q_len
             if seq.samples:
                 tokens.append((fed[-1] + 1) % 50 if fed[-1] != 48 else 0)
                 self.futures[seq.future_id] = tokens[-1]
-        return StepOutput(tokens=tokens)
+        for row, pos, slot in zip(batch.table_rows, batch.table_pos, batch.table_slots):
+            self.table[row, pos] = slot
+        return StepOutput(tokens=[[t] for t in tokens])
 
 
 def expected(prompt, n):

@@ -1,0 +1,415 @@
+"""bench/: the load-test client against a fake server (all three API paths), failures,
+output files and plots, the comparison driver, and the Hugging Face baseline.
+
+Run as a script, this file is a fake server that takes run.py's flags (for bench/compare.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import serving  # noqa: E402
+
+METRIC_KEYS = [
+    "completed", "failed", "failure_reasons", "duration", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "input_throughput", "output_throughput", "concurrency", "accept_length",
+] + [f"{s}_{k}_ms" for k in ("ttft", "tpot", "itl", "e2e_latency") for s in ("mean", "median", "p90", "p99")]
+
+
+# ---- a fake OpenAI-compatible / SGLang-native server ------------------------------
+
+def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1) -> web.Application:
+    """Streams exactly max_new_tokens / max_tokens tokens (" t0 t1 ...").
+
+    mode: ok | error500 (every request) | flaky (every other request 500) | break (the
+    connection drops after two chunks). tokens_per_chunk > 1 imitates speculative decoding
+    and reports spec_verify_ct on /generate.
+    """
+    calls = {"n": 0}
+
+    def failing() -> bool:
+        calls["n"] += 1
+        return mode == "error500" or (mode == "flaky" and calls["n"] % 2 == 0)
+
+    async def stream(request: web.Request, chunks):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, chunk in enumerate(chunks):
+            if mode == "break" and i == 2:
+                request.transport.close()
+                return response
+            await asyncio.sleep(delay)
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    def pieces(n: int):
+        """Token counts per chunk: tokens_per_chunk at a time, the rest last."""
+        done = 0
+        while done < n:
+            step = min(tokens_per_chunk, n - done)
+            yield done, step
+            done += step
+
+    async def generate(request: web.Request):
+        if failing():
+            return web.Response(status=500, text="boom: fake failure")
+        body = await request.json()
+        n = body["sampling_params"]["max_new_tokens"]
+        prompt_tokens = len(body["text"].split())
+        chunks, verify = [], 0
+        for done, step in pieces(n):
+            verify += 1
+            meta = {"prompt_tokens": prompt_tokens, "completion_tokens": done + step,
+                    "finish_reason": {"type": "length"} if done + step == n else None}
+            if tokens_per_chunk > 1:
+                meta["spec_verify_ct"] = verify
+            chunks.append({"text": "".join(f" t{i}" for i in range(done + step)),
+                           "output_ids": list(range(done + step)), "meta_info": meta})
+        return await stream(request, chunks)
+
+    async def completions(request: web.Request):
+        if failing():
+            return web.Response(status=500, text="boom: fake failure")
+        body = await request.json()
+        chat = "messages" in body
+        n = body["max_tokens"]
+        prompt_tokens = len((body["messages"][-1]["content"] if chat else body["prompt"]).split())
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}] if chat else []
+        for done, step in pieces(n):
+            piece = "".join(f" t{i}" for i in range(done, done + step))
+            finish = "length" if done + step == n else None
+            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            chunks.append({"choices": [choice | {"finish_reason": finish}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                                    "total_tokens": prompt_tokens + n}})
+        return await stream(request, chunks)
+
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def health(_):
+        return web.Response(text="ok")
+
+    async def metrics(_):
+        return web.Response(text="# TYPE tandem_hidden_cpu_fraction gauge\ntandem_hidden_cpu_fraction 0.75\n")
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+class FakeServer:
+    """A fake_app served on a free loopback port from a background thread."""
+
+    def __init__(self, **options):
+        self.options, self.loop, self.port = options, asyncio.new_event_loop(), None
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self.thread.start()
+        assert ready.wait(10), "fake server did not start"
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _serve(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(fake_app(**self.options), access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+# ---- fixtures ------------------------------------------------------------------
+
+def build_tiny_tokenizer(folder: Path) -> Path:
+    """A small byte-level BPE tokenizer trained on a few standard-library files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [p.read_text(errors="replace") for p in serving.python_sources()[:20]]
+    tokenizer.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    server = FakeServer()
+    yield server
+    server.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_args(url: str, tokenizer: Path, *extra: str) -> argparse.Namespace:
+    return serving.parse_args(["--base-url", url, "--tokenizer", str(tokenizer), "--disable-tqdm",
+                               "--dataset-name", "random", "--num-prompts", "8", "--random-input-len", "32",
+                               "--random-output-len", "6", "--random-range-ratio", "1.0", *extra])
+
+
+def run(args) -> dict:
+    return asyncio.run(asyncio.wait_for(serving.run_benchmark(args, verbose=False), 60))
+
+
+def check_sane(m: dict, num_prompts: int) -> None:
+    for key in METRIC_KEYS:
+        assert key in m, key
+    assert m["completed"] + m["failed"] == num_prompts
+    assert m["duration"] > 0
+    if m["completed"]:
+        for name in ("ttft", "tpot", "itl", "e2e_latency"):
+            values = [m[f"{s}_{name}_ms"] for s in ("median", "p90", "p99")]
+            assert all(v is not None and v >= 0 for v in values), name
+            assert values[0] <= values[1] <= values[2], name
+        assert m["mean_ttft_ms"] <= m["mean_e2e_latency_ms"]
+        assert m["p99_ttft_ms"] <= m["p99_e2e_latency_ms"]
+        assert m["request_throughput"] > 0 and m["output_throughput"] > 0 and m["input_throughput"] > 0
+        assert m["concurrency"] > 0
+
+
+# ---- (a) every backend path ------------------------------------------------------
+
+@pytest.mark.parametrize("backend", serving.BACKENDS)
+def test_backends_report_sane_metrics(fake_server, tokenizer_dir, backend):
+    m = run(bench_args(fake_server.url, tokenizer_dir, "--backend", backend, "--max-concurrency", "4"))
+    check_sane(m, 8)
+    assert m["completed"] == 8 and m["failed"] == 0 and m["failure_reasons"] == {}
+    assert m["total_output_tokens"] == 8 * 6
+    assert m["total_input_tokens"] > 0
+    assert m["accept_length"] is None
+    assert m["backend"] == backend
+
+
+def test_code_and_prompts_datasets_with_poisson_arrivals(fake_server, tokenizer_dir, tmp_path):
+    m = run(bench_args(fake_server.url, tokenizer_dir, "--dataset-name", "code", "--request-rate", "200",
+                       "--random-range-ratio", "0.5"))
+    check_sane(m, 8)
+    assert m["completed"] == 8
+    assert 8 * 3 <= m["total_output_tokens"] <= 8 * 6
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):", "output_len": 3}\n{"prompt": "import os\\n"}\n')
+    m = run(bench_args(fake_server.url, tokenizer_dir, "--dataset-name", "prompts", "--dataset-path", str(prompts),
+                       "--num-prompts", "4", "--backend", "openai"))
+    check_sane(m, 4)
+    assert m["total_output_tokens"] == 3 + 6 + 3 + 6
+
+
+def test_datasets_are_deterministic_by_seed(tokenizer_dir):
+    tokenizer = serving.load_tokenizer(str(tokenizer_dir))
+    for name in ("random", "code"):
+        a = serving.build_requests(bench_args("http://x", tokenizer_dir, "--dataset-name", name), tokenizer)
+        b = serving.build_requests(bench_args("http://x", tokenizer_dir, "--dataset-name", name), tokenizer)
+        c = serving.build_requests(bench_args("http://x", tokenizer_dir, "--dataset-name", name, "--seed", "7"),
+                                   tokenizer)
+        assert [r.prompt for r in a] == [r.prompt for r in b] != [r.prompt for r in c]
+        assert all(abs(r.prompt_len - 32) <= 4 for r in a), [r.prompt_len for r in a]
+
+
+def test_accept_length_from_spec_verify_ct(tokenizer_dir):
+    server = FakeServer(tokens_per_chunk=3)
+    try:
+        m = run(bench_args(server.url, tokenizer_dir, "--backend", "tandem"))
+    finally:
+        server.close()
+    check_sane(m, 8)
+    assert m["total_output_tokens"] == 48
+    assert m["accept_length"] == pytest.approx(3.0)
+
+
+# ---- (b) failures are counted, never fatal -------------------------------------------
+
+@pytest.mark.parametrize("mode, reason", [("error500", "HTTP 500: boom"), ("break", "broken stream")])
+@pytest.mark.parametrize("backend", ["tandem", "openai-chat"])
+def test_server_failures_are_counted(tokenizer_dir, mode, reason, backend):
+    server = FakeServer(mode=mode)
+    try:
+        m = run(bench_args(server.url, tokenizer_dir, "--backend", backend))
+    finally:
+        server.close()
+    check_sane(m, 8)
+    assert m["completed"] == 0 and m["failed"] == 8
+    assert list(m["failure_reasons"]) and all(reason in r for r in m["failure_reasons"]), m["failure_reasons"]
+    assert sum(m["failure_reasons"].values()) == 8
+    assert m["mean_ttft_ms"] is None and m["total_output_tokens"] == 0
+
+
+def test_partial_failures(tokenizer_dir):
+    server = FakeServer(mode="flaky")
+    try:
+        m = run(bench_args(server.url, tokenizer_dir, "--backend", "openai", "--warmup-requests", "0"))
+    finally:
+        server.close()
+    check_sane(m, 8)
+    assert m["completed"] == 4 and m["failed"] == 4
+    assert m["total_output_tokens"] == 4 * 6
+
+
+def test_refused_connection_is_a_failure(tokenizer_dir):
+    m = run(bench_args(f"http://127.0.0.1:{free_port()}", tokenizer_dir, "--backend", "vllm", "--model", "m"))
+    check_sane(m, 8)
+    assert m["failed"] == 8
+    assert all("connection failed" in r for r in m["failure_reasons"]), m["failure_reasons"]
+
+
+def test_timeout_is_a_failure(tokenizer_dir):
+    server = FakeServer(delay=0.5)
+    try:
+        m = run(bench_args(server.url, tokenizer_dir, "--timeout", "0.3", "--warmup-requests", "0"))
+    finally:
+        server.close()
+    assert m["failed"] == 8 and all("timeout" in r for r in m["failure_reasons"])
+
+
+# ---- (c) the command line: output file, plot, exit codes ------------------------------
+
+def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_writes_json_lines_and_plot(fake_server, tokenizer_dir, tmp_path):
+    out, png = tmp_path / "runs.jsonl", tmp_path / "plot.png"
+    common = ["bench/serving.py", "--base-url", fake_server.url, "--tokenizer", str(tokenizer_dir),
+              "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "5",
+              "--random-range-ratio", "1", "--output-file", str(out)]
+    first = cli(*common, "--plot", str(png))
+    assert first.returncode == 0, first.stderr
+    assert "Serving Benchmark Result" in first.stdout and "Mean TTFT (ms):" in first.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    second = cli(*common, "--backend", "openai-chat", "--disable-tqdm", "--max-concurrency", "2")
+    assert second.returncode == 0, second.stderr
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2
+    records = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # strict JSON
+    assert [r["backend"] for r in records] == ["tandem", "openai-chat"]
+    assert records[0]["request_rate"] == "inf" and records[1]["max_concurrency"] == 2
+    for record in records:
+        check_sane(record, 6)
+        assert record["total_output_tokens"] == 30 and record["args"]["num_prompts"] == 6
+
+
+def test_cli_exit_codes(tokenizer_dir):
+    refused = cli("bench/serving.py", "--port", str(free_port()), "--tokenizer", str(tokenizer_dir),
+                  "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "2", "--disable-tqdm")
+    assert refused.returncode == 0, refused.stderr
+    assert "connection failed" in refused.stdout
+    assert cli("bench/serving.py", "--backend", "nope").returncode == 2
+    assert cli("bench/serving.py", "--tokenizer", str(tokenizer_dir), "--dataset-name", "prompts").returncode == 2
+    assert cli("bench/serving.py", "--tokenizer", str(tokenizer_dir), "--request-rate", "0").returncode == 2
+
+
+# ---- bench/compare.py with fake servers ----------------------------------------------
+
+def test_compare_runs_rounds_and_stops_servers(tokenizer_dir, tmp_path):
+    out = tmp_path / "compare.jsonl"
+    result = cli("bench/compare.py", "--server-script", "tests/test_bench.py", "--tokenizer", str(tokenizer_dir),
+                 "--config", "fast=", "--config", "slow=--fake-delay 0.01", "--rounds", "2",
+                 "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
+                 "--max-concurrency", "1,4", "--output-file", str(out), "--log-dir", str(tmp_path / "logs"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fast" in result.stdout and "slow" in result.stdout
+    record = json.loads(out.read_text().splitlines()[-1])
+    assert [c["name"] for c in record["configs"]] == ["fast", "slow"]
+    rows = record["results"]
+    assert len(rows) == 4  # 2 configs x 2 concurrencies
+    for row in rows:
+        assert len(row["runs"]) == 2 and row["median"]["completed"] == 4
+        assert row["median"]["hidden_cpu_fraction"] == pytest.approx(0.75)
+    fast = next(r for r in rows if r["config"] == "fast" and r["max_concurrency"] == 1)
+    slow = next(r for r in rows if r["config"] == "slow" and r["max_concurrency"] == 1)
+    assert slow["median"]["mean_tpot_ms"] > fast["median"]["mean_tpot_ms"]
+    pids = [int(p) for p in record["server_pids"]]
+    time.sleep(0.2)
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_compare_reports_a_server_that_never_gets_healthy(tokenizer_dir, tmp_path):
+    result = cli("bench/compare.py", "--server-script", "tests/test_bench.py", "--tokenizer", str(tokenizer_dir),
+                 "--config", "ok=", "--config", "dead=--fake-exit", "--health-timeout", "20",
+                 "--num-prompts", "2", "--log-dir", str(tmp_path / "logs"))
+    assert result.returncode != 0
+    assert "dead" in result.stderr
+
+
+# ---- bench/baseline_hf.py on a tiny random model ---------------------------------------
+
+def test_baseline_hf_on_a_tiny_model(tokenizer_dir, tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny-llama"
+    config = LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(str(model_dir))
+    for f in tokenizer_dir.iterdir():
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / "hf.jsonl"
+    result = cli("bench/baseline_hf.py", "--model-path", str(model_dir), "--num-prompts", "4",
+                 "--random-input-len", "16", "--random-output-len", "5", "--random-range-ratio", "1",
+                 "--batch-size", "1,4", "--output-file", str(out))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch_size"] for r in records] == [1, 4]
+    for r in records:
+        assert r["total_output_tokens"] == 20 and r["output_throughput"] > 0 and r["completed"] == 4
+        assert math.isfinite(r["duration"])
+
+
+# ---- run as a fake server for bench/compare.py -------------------------------------
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--fake-delay", type=float, default=0.002)
+    parser.add_argument("--fake-exit", action="store_true")
+    options, _ = parser.parse_known_args()
+    if options.fake_exit:
+        sys.exit("fake server: asked to fail")
+    web.run_app(fake_app(delay=options.fake_delay), host="127.0.0.1", port=options.port, print=None)
