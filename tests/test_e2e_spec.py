@@ -1,0 +1,106 @@
+"""Speculative decoding end to end on the embedded models: lossless for every algorithm
+(overlap on and off, dense and MoE), exact max_tokens, stops inside an accepted run, and
+no KV left behind after aborts."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.messages import SamplingParams
+from tests.e2e_prompts import CODE_PROMPTS
+from tests.engine_harness import collect, engine, run_batch
+from tests.server_harness import DENSE, MOE, REPO
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+SPEC = {
+    "eagle": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(REPO / "models/tandem-dense-eagle")],
+    "eagle3": ["--speculative-algorithm", "eagle3", "--speculative-draft-model-path",
+               str(REPO / "models/tandem-dense-eagle3")],
+    "standalone": ["--speculative-algorithm", "standalone", "--speculative-draft-model-path", str(MOE)],
+    "ngram": ["--speculative-algorithm", "ngram"],
+}
+MOE_SPEC = {
+    "eagle": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(REPO / "models/tandem-moe-eagle")],
+    "ngram": ["--speculative-algorithm", "ngram"],
+}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DENSE)
+    return [tok.encode(p) for p in CODE_PROMPTS[:10]]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    async def run():
+        async with engine(["--model-path", str(DENSE), "--speculative-algorithm", "none"]) as client:
+            return [t for t, _ in await run_batch(client, prompts, GREEDY)]
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def moe_reference(prompts):
+    async def run():
+        async with engine(["--model-path", str(MOE), "--speculative-algorithm", "none"]) as client:
+            return [t for t, _ in await run_batch(client, prompts, GREEDY)]
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("algorithm", list(SPEC))
+async def test_dense_speculation_is_lossless(algorithm, overlap, prompts, reference):
+    flags = ["--model-path", str(DENSE), *SPEC[algorithm]] + ([] if overlap else ["--disable-overlap-schedule"])
+    async with engine(flags) as client:
+        results = await run_batch(client, prompts, GREEDY)
+    assert [t for t, _ in results] == reference
+    verify_steps = sum(d.spec_verify_ct for _, d in results)
+    assert 0 < verify_steps < sum(len(t) for t in reference)      # speculation ran, and accepted something
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("algorithm", list(MOE_SPEC))
+async def test_moe_speculation_is_lossless(algorithm, overlap, prompts, moe_reference):
+    if algorithm == "eagle" and not (REPO / "models/tandem-moe-eagle/config.json").exists():
+        pytest.fail("models/tandem-moe-eagle is missing")
+    flags = ["--model-path", str(MOE), *MOE_SPEC[algorithm]] + ([] if overlap else ["--disable-overlap-schedule"])
+    async with engine(flags) as client:
+        results = await run_batch(client, prompts, GREEDY)
+    assert [t for t, _ in results] == moe_reference
+
+
+async def test_max_tokens_exact_and_stops_cut_inside_accepted_runs(prompts, reference):
+    async with engine(["--model-path", str(DENSE), *SPEC["eagle"]]) as client:
+        for n in (1, 2, 3, 5, 7, 11):
+            tokens, last = await collect(client, f"len{n}", prompts[0], SamplingParams(max_new_tokens=n, temperature=0,
+                                                                                        ignore_eos=True))
+            assert len(tokens) == last.completion_tokens == n and last.finish_reason == "length"
+            assert tokens == reference[0][:n]
+        for i, ref in enumerate(reference):
+            stop = ref[5]                                 # a token in the middle of the greedy output
+            cut = ref.index(stop) + 1
+            tokens, last = await collect(client, f"stop{i}", prompts[i], SamplingParams(
+                max_new_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(stop,)))
+            assert tokens == ref[:cut] and last.finish_reason == "stop" and last.matched_stop == stop
+
+
+async def test_aborts_mid_speculation_free_every_slot(prompts):
+    async with engine(["--model-path", str(DENSE), *SPEC["eagle"]]) as client:
+        long = SamplingParams(max_new_tokens=1500, temperature=0, ignore_eos=True)
+        streams = [client.generate(f"a{i}", ids, long) for i, ids in enumerate(prompts)]
+        for stream in streams:
+            await stream.__anext__()
+        for stream in streams[::2]:
+            await stream.aclose()                          # abort half of them mid-run
+        await run_batch(client, prompts[:4], SamplingParams(max_new_tokens=8, temperature=0.8, seed=3))
+        for stream in streams[1::2]:
+            await stream.aclose()
+        for _ in range(100):
+            stats = client.rank_stats()
+            if stats and stats[0].kv_used == 0 and stats[0].running == 0:
+                break
+            await asyncio.sleep(0.2)
+        assert stats[0].kv_used == 0 and stats[0].running == 0 and stats[0].waiting == 0
