@@ -1,0 +1,89 @@
+"""The device interface: launches run in order, their results and errors are awaitable
+without blocking the loop; accelerator tests run only where the device exists."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from devices.base import create_device
+from engine.trace import OverlapMeter
+
+
+async def test_cpu_stream_runs_in_order_and_does_not_block_the_loop():
+    device = create_device("cpu")
+    order = []
+
+    def work(i):
+        time.sleep(0.05)
+        order.append(i)
+        return i * i
+
+    launched = [device.launch(lambda i=i: work(i)) for i in range(4)]
+    ticks = 0
+    while not launched[-1].future.done():           # the loop keeps running while the stream works
+        ticks += 1
+        await asyncio.sleep(0.005)
+    assert [await x for x in launched] == [0, 1, 4, 9]
+    assert order == [0, 1, 2, 3] and ticks > 10
+    assert all(x.started <= x.finished for x in launched)
+    assert all(a.finished <= b.started for a, b in zip(launched, launched[1:]))
+    device.close()
+
+
+async def test_cpu_stream_delivers_errors_to_the_awaiter():
+    device = create_device("cpu")
+
+    def broken():
+        raise ValueError("kernel failed")
+
+    with pytest.raises(ValueError, match="kernel failed"):
+        await device.launch(broken)
+    assert await device.launch(lambda: 7) == 7          # the stream survives
+    device.close()
+
+
+def test_overlap_meter_counts_cpu_time_spent_while_the_device_was_busy():
+    meter = OverlapMeter()
+    meter.cpu(0.0, 1.0)          # before any device work: not hidden
+    meter.cpu(2.0, 3.0)          # fully inside the busy interval below
+    meter.cpu(3.5, 4.5)          # half inside
+    meter.device(1.5, 4.0)
+    meter.device(5.0, 6.0)       # settles the last span
+    assert meter.hidden_fraction == pytest.approx((1.0 + 0.5) / 3.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_cuda_stream_events_are_awaitable():
+    device = create_device("cuda")
+    x = torch.randn(2048, 2048, device="cuda")
+    launched = device.launch(lambda: (x @ x).sum().to("cpu", non_blocking=True))
+    result = await launched
+    assert torch.isfinite(result) and launched.finished >= launched.started
+    start, end = None, None
+
+    def timed():
+        nonlocal start, end
+        start = device.mark()
+        y = x @ x
+        end = device.mark()
+        return y.sum()
+    await device.launch(timed)
+    assert device.seconds_between(start, end) > 0
+    device.close()
+
+
+@pytest.mark.npu
+def test_npu_device_needs_torch_npu():
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="torch_npu"):
+            create_device("npu")
+        return
+    device = create_device("npu")
+    assert device.torch_device.type == "npu"
