@@ -55,8 +55,9 @@ class ServerArgs:
     speculative_num_steps: int = flag(3, "Draft tokens proposed per step (chain length).")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")
     speculative_eagle_topk: int = flag(1, "Draft branching per step; only chains (1) are supported.")
-    dp_size: int = flag(1, "Data-parallel ranks.")
-    stream_interval: int = flag(1, "Send streamed tokens to the client every N steps.")
+    dp_size: int = flag(1, "Data-parallel ranks: independent engine processes, each with its own KV cache; "
+                           "the front sends each request to the least loaded one.")
+    stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
 
     @property
     def tokenizer(self) -> str:
@@ -97,8 +98,10 @@ class ServerArgs:
                              f"({self.speculative_num_steps + 1}) for chain drafts")
         if self.spec_algorithm in ("eagle", "eagle3", "standalone") and not self.draft_model_path:
             raise ValueError(f"--speculative-algorithm {self.spec_algorithm} needs --speculative-draft-model-path")
-        if self.page_size < 1 or self.max_running_requests < 1 or self.chunked_prefill_size < 1:
-            raise ValueError("--page-size, --max-running-requests and --chunked-prefill-size must be positive")
+        if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,
+               self.max_prefill_tokens, self.dp_size) < 1:
+            raise ValueError("--page-size, --max-running-requests, --chunked-prefill-size, --max-prefill-tokens, "
+                             "--stream-interval and --dp-size must be positive")
 
     @property
     def enable_overlap(self) -> bool:

@@ -162,8 +162,8 @@ class Rank:
 
     def send_delta(self, req: Request) -> None:
         new = req.output_ids[req.sent:]
-        if not new and not req.finished:
-            return
+        if not req.finished and len(new) < self.args.stream_interval:
+            return                            # --stream-interval: batch small deltas
         if req.params.logprobs is not None:
             logprobs = req.output_logprobs[req.sent:]
             top = req.output_top_logprobs[req.sent:]

@@ -104,3 +104,22 @@ async def test_aborts_mid_speculation_free_every_slot(prompts):
                 break
             await asyncio.sleep(0.2)
         assert stats[0].kv_used == 0 and stats[0].running == 0 and stats[0].waiting == 0
+
+
+async def test_two_data_parallel_ranks_and_stream_interval(prompts, reference):
+    flags = ["--model-path", str(DENSE), *SPEC["eagle"], "--dp-size", "2", "--stream-interval", "8"]
+    async with engine(flags) as client:
+        assert len(client.rank_stats()) in (0, 1, 2) and len(client.links) == 2
+        counts = []
+
+        async def count_deltas(i, ids):
+            tokens, deltas = [], 0
+            async for delta in client.generate(f"dp{i}", ids, GREEDY):
+                tokens += delta.token_ids
+                deltas += 1
+                assert len(delta.token_ids) >= 8 or delta.finish_reason
+            counts.append(deltas)
+            return tokens
+        outs = await asyncio.wait_for(asyncio.gather(*[count_deltas(i, p) for i, p in enumerate(prompts)]), 300)
+    assert outs == reference
+    assert max(counts) <= 40 // 8 + 1

@@ -68,8 +68,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     dense = context_target(base / "dense")
     moe = context_target(base / "moe", arch="moe")
     return {"dense": dense, "moe": moe,
-            "dense-draft": noisy_copy(dense, base / "dense-draft", noise=1.0),
-            "moe-draft": noisy_copy(moe, base / "moe-draft", noise=1.0),
+            "dense-draft": noisy_copy(dense, base / "dense-draft", noise=0.3),
+            "moe-draft": noisy_copy(moe, base / "moe-draft", noise=0.3),
             "small-vocab": random_target(base / "small-vocab", vocab=256)}
 
 
@@ -193,7 +193,7 @@ def test_noisy_standalone_draft_accepts_part_of_the_time(models, in_process_refe
     outputs, accepted, _ = generate_in_process(spec_flags(models, "dense", "standalone"), prompts)
     assert outputs == in_process_reference("dense", prompts)
     assert 0 < sum(accepted) < K * len(accepted)
-    assert len(set(accepted)) >= 3                      # rejections at several depths
+    assert set(accepted) == set(range(K + 1))           # rejections at every depth, and full acceptance
 
 
 @pytest.mark.parametrize("algorithm", ["standalone", "ngram"])
