@@ -250,15 +250,18 @@ def test_datasets_are_deterministic_by_seed(tokenizer_dir):
         assert all(abs(r.prompt_len - 32) <= 4 for r in a), [r.prompt_len for r in a]
 
 
-def test_accept_length_from_spec_verify_ct(tokenizer_dir):
-    server = FakeServer(tokens_per_chunk=3)
+def test_multi_token_chunks_and_accept_length(tokenizer_dir):
+    server = FakeServer(tokens_per_chunk=3, delay=0.01)
     try:
-        m = run(bench_args(server.url, tokenizer_dir, "--backend", "tandem"))
+        generate = run(bench_args(server.url, tokenizer_dir, "--backend", "tandem"))
+        chat = run(bench_args(server.url, tokenizer_dir, "--backend", "openai-chat"))
     finally:
         server.close()
-    check_sane(m, 8)
-    assert m["total_output_tokens"] == 48
-    assert m["accept_length"] == pytest.approx(3.0)
+    for m in (generate, chat):
+        check_sane(m, 8)
+        assert m["total_output_tokens"] == 48  # 6 tokens a request, in two chunks of 3
+    assert generate["accept_length"] == pytest.approx(3.0)
+    assert generate["mean_itl_ms"] < chat["mean_itl_ms"]  # per token on /generate, per chunk on OpenAI paths
 
 
 # ---- (b) failures are counted, never fatal -------------------------------------------
