@@ -58,17 +58,19 @@ class ModelRunner:
         self.context_length = args.context_length or self.hf_config.max_position_embeddings
         self.num_rows = args.max_running_requests
         self.spec_tokens = args.speculative_num_steps + 1 if args.spec_algorithm != "none" else 0
+        # Speculative steps may write up to two steps (2 * (k+1) positions) past the committed length.
+        self.table_width = self.context_length + 2 * self.spec_tokens + 1
+        dev = device.torch_device
+        self.generator = torch.Generator(device=dev).manual_seed(args.random_seed)
+        self.futures = FutureMap(future_slots, dev)
+        self.spec = create_spec_worker(args.spec_algorithm, self) if self.spec_tokens else None  # loads the draft
         layers, kv_heads, head_dim = self.model.kv_layout()
         per_slot = KVCache.bytes_per_slot(layers, kv_heads, head_dim, self.dtype)
-        self.num_slots = self.kv_capacity(per_slot * (2 if self.spec_tokens else 1))   # a draft head's KV: < target's
-        dev = device.torch_device
+        self.num_slots = self.kv_capacity(per_slot + (self.spec.kv_bytes_per_slot() if self.spec else 0))
         self.kv = KVCache.allocate(layers, self.num_slots, kv_heads, head_dim, self.dtype, dev)
-        # Speculative steps may write up to two steps (2 * (k+1) positions) past the committed length.
-        self.req_to_slot = torch.zeros(self.num_rows, self.context_length + 2 * self.spec_tokens + 1,
-                                       dtype=torch.long, device=dev)
-        self.futures = FutureMap(future_slots, dev)
-        self.generator = torch.Generator(device=dev).manual_seed(args.random_seed)
-        self.spec = create_spec_worker(args.spec_algorithm, self) if self.spec_tokens else None
+        self.req_to_slot = torch.zeros(self.num_rows, self.table_width, dtype=torch.long, device=dev)
+        if self.spec:
+            self.spec.allocate_kv(self.num_slots)
         log.info("loaded %s (%s, %s) on %s; KV cache: %d tokens, context %d; speculation: %s",
                  Path(args.model_path).name, self.hf_config.architectures[0], self.dtype, dev,
                  self.num_slots, self.context_length,

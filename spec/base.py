@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.models.attention import KVCache
+
 if TYPE_CHECKING:
     from engine.model_runner import BatchInputs, ModelRunner
     from engine.models.attention import AttentionBatch
@@ -66,9 +68,22 @@ class SpecWorker(ABC):
         """On the stream: draft, verify, accept, update state. Returns host tensors
         (emitted [B, k+1], accepted drafts n [B], and logprob tensors when asked)."""
 
-    def extra_kv_bytes_per_slot(self) -> int:
+    def draft_kv_layout(self) -> tuple[int, int, int] | None:
+        """(layers, kv_heads, head_dim) of the draft's own KV cache; None without a draft model."""
+        return None
+
+    def kv_bytes_per_slot(self) -> int:
         """Bytes of the draft's own KV per slot (0 without a draft model)."""
-        return 0
+        layout = self.draft_kv_layout()
+        return KVCache.bytes_per_slot(*layout, self.runner.dtype) if layout else 0
+
+    def allocate_kv(self, num_slots: int) -> None:
+        """Called once the runner has sized the cache: the draft's KV shares the target's slots."""
+        layout = self.draft_kv_layout()
+        if layout:
+            layers, kv_heads, head_dim = layout
+            self.draft_kv = KVCache.allocate(layers, num_slots, kv_heads, head_dim, self.runner.dtype,
+                                             self.runner.device.torch_device)
 
 
 def create_spec_worker(algorithm: str, runner: "ModelRunner") -> SpecWorker:

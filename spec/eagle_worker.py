@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from engine.models.attention import KVCache, build_attention_batch
+from engine.models.attention import build_attention_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker
@@ -32,14 +32,15 @@ class EagleWorker(SpecWorker):
         dev = runner.device.torch_device
         self.head, _ = load_draft(runner.args.draft_model_path, runner.model, runner.dtype, dev)
         self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
-        layers, kv_heads, head_dim = self.head.kv_layout()
-        self.draft_kv = KVCache.allocate(layers, runner.num_slots, kv_heads, head_dim, runner.dtype, dev)
         rows, vocab = runner.num_rows, runner.vocab_size
         self.draft_first = torch.zeros(rows, dtype=torch.long, device=dev)
         self.draft_hidden = torch.zeros(rows, self.head.hidden_size, dtype=runner.dtype, device=dev)
         self.first_probs = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
         self.draft_ids = self.head.draft_to_target(torch.arange(self.head.compute_logits(
             torch.zeros(1, self.head.hidden_size, dtype=runner.dtype, device=dev)).shape[-1], device=dev))
+
+    def draft_kv_layout(self) -> tuple[int, int, int]:
+        return self.head.kv_layout()
 
     # ---- drafting ------------------------------------------------------------------
 

@@ -244,6 +244,7 @@ def rank_reference(models):
             for arch in ("dense", "moe")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("algorithm", ["standalone", "ngram"])
 @pytest.mark.parametrize("arch", ["dense", "moe"])

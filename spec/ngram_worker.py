@@ -1,0 +1,112 @@
+"""N-gram drafting: no draft model; the drafts are what followed the most recent earlier
+occurrence of the request's last few tokens (prompt lookup), found on the device.
+
+Per-row device token history, tokens[row, p] = the request's token at position p,
+valid for p <= kv_len[row] (the bonus sits at position kv_len). A prefill writes its
+chunk and, on the last chunk, the sampled token; a decode step writes its k+1
+emitted tokens at L+1..L+k+1 (only the first n+1 become valid; the rest lie past the
+valid end and are overwritten before they are read).
+
+A step for B decoding requests (k = num_steps; L = kv_len[row]; N = L+1 valid tokens):
+
+  draft    for m = 3, 2, 1: the latest start j <= N-1-m with tokens[j:j+m] equal to the last
+           m tokens; the longest m that matches wins. With f = j+m and period p = N-f, propose
+           tokens[f + (i mod p)] for i < k (the continuation, repeated periodically once it
+           reaches the suffix). No match: propose the last token k times.
+  verify   the target reads [b, d_1..d_k] at positions L..L+k; greedy, or rejection sampling
+           with q = one-hot at each draft (a deterministic proposal is a valid q)
+  state    kv_len += n+1, bonus = emitted_n, history gets the emitted tokens
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.models.attention import build_attention_batch
+from engine.sampling import filtered_probs, seeded_noise
+from spec.base import SpecWorker
+from spec.eagle_worker import expand
+from spec.verify import verify_greedy, verify_sampled
+
+MATCH_LENGTHS = (3, 2, 1)      # suffix lengths tried, longest first
+
+
+def ngram_drafts(history: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """history [B, W] tokens, of which the first valid[b] (>= 1) are real -> draft tokens [B, k]."""
+    batch, width = history.shape
+    dev = history.device
+    follow = valid - 1                                            # no match: period 1 on the last token
+    found = torch.zeros(batch, dtype=torch.bool, device=dev)
+    for m in MATCH_LENGTHS:
+        if m >= width:
+            continue
+        suffix_pos = (valid[:, None] - m + torch.arange(m, device=dev)).clamp(min=0)
+        suffix = history.gather(1, suffix_pos)                                     # [B, m]
+        match = (history.unfold(1, m, 1) == suffix[:, None, :]).all(dim=-1)        # [B, W-m+1]
+        starts = torch.arange(width - m + 1, device=dev)
+        match &= starts[None, :] <= (valid - 1 - m)[:, None]                       # an earlier occurrence
+        latest = torch.where(match, starts, -1).amax(dim=-1)                       # [B]; -1: none
+        hit = (latest >= 0) & ~found
+        follow = torch.where(hit, latest + m, follow)
+        found |= hit
+    period = valid - follow                                                         # >= 1
+    index = follow[:, None] + torch.arange(k, device=dev)[None, :] % period[:, None]
+    return history.gather(1, index)
+
+
+class NgramWorker(SpecWorker):
+    def __init__(self, runner):
+        super().__init__(runner, runner.args.speculative_num_steps)
+        width = runner.table_width                         # context + room for the steps in flight
+        self.tokens = torch.zeros(runner.num_rows, width, dtype=torch.long, device=runner.device.torch_device)
+
+    # ---- prefill -------------------------------------------------------------------
+
+    def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
+        dev = input_ids.device
+        token_rows = inp.rows.to(dev).repeat_interleave(inp.q_lens.to(dev), output_size=input_ids.shape[0])
+        self.tokens[token_rows, attn.positions] = input_ids
+        if sampled.numel() == 0:
+            return
+        last_chunks = inp.draft_next < 0                                       # host: the sequences that sampled
+        rows = inp.rows[last_chunks].to(dev)
+        end = inp.kv_lens[last_chunks].to(dev)
+        self.kv_len[rows] = end
+        self.bonus[rows] = sampled
+        self.tokens[rows, end] = sampled
+
+    # ---- one speculative step ------------------------------------------------------
+
+    def decode_step(self, inp) -> tuple:
+        runner, k, sb = self.runner, self.k, inp.sampling
+        dev = runner.device.torch_device
+        rows = inp.rows.to(dev)
+        batch = rows.shape[0]
+        marks = [("start", runner.device.mark())]
+        L = self.kv_len[rows]
+        width = min(inp.max_kv, self.tokens.shape[1])      # max_kv >= L+k+1 > every valid position
+        drafts = ngram_drafts(self.tokens[rows, :width], L + 1, k)                 # [B, k]
+        self.mark("draft", marks)
+        verify_ids = torch.cat([self.bonus[rows][:, None], drafts], dim=1)         # [B, k+1]
+        ones = torch.ones_like(rows)
+        attn = build_attention_batch(ones * (k + 1), L + k + 1, rows, runner.req_to_slot, k + 1, inp.max_kv,
+                                     runner.kv)
+        out = runner.model(verify_ids.reshape(-1), attn)
+        logits = runner.model.compute_logits(out.hidden).view(batch, k + 1, -1)
+        emitted, n = verify_greedy(drafts, logits)
+        if not sb.all_greedy:
+            vocab = logits.shape[-1]
+            target_probs = filtered_probs(logits.reshape(batch * (k + 1), -1), expand(sb, k + 1)).view(batch, k + 1, -1)
+            one_hot = torch.zeros(batch, k, vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)
+            uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
+            exponential = seeded_noise((batch, vocab), sb, runner.generator, dev, salt=21)
+            sampled, n_sampled = verify_sampled(drafts, one_hot, target_probs, uniform, exponential)
+            emitted = torch.where(sb.greedy[:, None], emitted, sampled)
+            n = torch.where(sb.greedy, n, n_sampled)
+        pick = torch.arange(batch, device=dev)
+        positions = (L[:, None] + 1 + torch.arange(k + 1, device=dev)).clamp(max=self.tokens.shape[1] - 1)
+        self.tokens[rows[:, None], positions] = emitted
+        self.kv_len[rows] = L + n + 1
+        self.bonus[rows] = emitted[pick, n]
+        self.mark("verify", marks)
+        self.phase_marks.append(marks)
+        return runner.step_result(emitted, n, logits, sb)

@@ -1,0 +1,116 @@
+"""Standalone drafting: a small causal LM with the target's tokenizer proposes a chain,
+on the stream, with fixed shapes.
+
+The draft is an ordinary LM (draft position t reads token t) with its own KV cache,
+indexed by the same slot table as the target. A step for B decoding requests
+(k = num_steps; L = kv_len[row]; b = bonus[row]; c = prev[row], the token at L-1):
+
+  draft    forward 1 reads [c, b] at positions L-1, L and proposes d_1;
+           forward i = 2..k reads d_{i-1} at L+i-1 and proposes d_i    (k forwards)
+  verify   the target reads [b, d_1..d_k] at positions L..L+k         (one forward of B*(k+1) rows)
+  accept   n leading drafts match; emitted = the n drafts + the target's token after them
+  state    kv_len += n+1, bonus = emitted_n, prev = the verify input at row n (token at L+n)
+
+Invariant at the start of a step: the draft KV holds the request's tokens at every
+position < L-1. Forwards fed b, d_1..d_{k-1} at L..L+k-1, and the accepted tokens at
+L..L+n are exactly b, d_1..d_n, so after acceptance positions < L+n are right; when
+n == k, position L+k (d_k) was never fed. Re-reading c at L-1 in the next step's
+first forward covers both cases without the CPU knowing n (a correct entry is just
+rewritten). A prefill runs the draft over the same chunk, leaving positions < L right.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.models.attention import build_attention_batch
+from engine.models.loader import load_model
+from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
+from spec.base import SpecWorker
+from spec.eagle_worker import expand
+from spec.verify import verify_greedy, verify_sampled
+
+
+class StandaloneWorker(SpecWorker):
+    def __init__(self, runner):
+        super().__init__(runner, runner.args.speculative_num_steps)
+        dev = runner.device.torch_device
+        path = runner.args.draft_model_path
+        self.draft, config = load_model(path, runner.dtype, dev)
+        if config.vocab_size != runner.vocab_size:
+            raise ValueError(f"draft model {path} has vocab_size {config.vocab_size}, the target "
+                             f"{runner.args.model_path} has {runner.vocab_size}: a standalone draft must "
+                             f"share the target's tokenizer")
+        self.prev = torch.zeros(runner.num_rows, dtype=torch.long, device=dev)
+
+    def draft_kv_layout(self) -> tuple[int, int, int]:
+        return self.draft.kv_layout()
+
+    def propose(self, hidden: torch.Tensor, sb: SamplingBatch, salt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft output rows -> draft tokens and, when any row samples, q (the draft's filtered distribution)."""
+        logits = self.draft.compute_logits(hidden)
+        greedy = logits.argmax(dim=-1)
+        if sb.all_greedy:
+            return greedy, None
+        q = filtered_probs(logits, sb)
+        noise = seeded_noise(tuple(q.shape), sb, self.runner.generator, q.device, salt=salt)
+        return torch.where(sb.greedy, greedy, (q / noise).argmax(dim=-1)), q
+
+    # ---- prefill -------------------------------------------------------------------
+
+    def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
+        self.draft(input_ids, dataclasses.replace(attn, kv=self.draft_kv))
+        if sampled.numel() == 0:
+            return
+        dev = sampled.device
+        last_chunks = inp.draft_next < 0                                       # host: the sequences that sampled
+        last_token = (torch.cumsum(inp.q_lens, 0) - 1)[last_chunks].to(dev)
+        rows = inp.rows[last_chunks].to(dev)
+        self.kv_len[rows] = inp.kv_lens[last_chunks].to(dev)
+        self.bonus[rows] = sampled
+        self.prev[rows] = input_ids[last_token]
+
+    # ---- one speculative step ------------------------------------------------------
+
+    def decode_step(self, inp) -> tuple:
+        runner, k, sb = self.runner, self.k, inp.sampling
+        dev = runner.device.torch_device
+        rows = inp.rows.to(dev)
+        batch = rows.shape[0]
+        marks = [("start", runner.device.mark())]
+        L = self.kv_len[rows]
+        ones = torch.ones_like(rows)
+        bonus = self.bonus[rows]
+        first_ids = torch.stack([self.prev[rows], bonus], dim=1).reshape(-1)
+        attn = build_attention_batch(ones * 2, L + 1, rows, runner.req_to_slot, 2, inp.max_kv, self.draft_kv)
+        hidden = self.draft(first_ids, attn).hidden.view(batch, 2, -1)[:, 1]
+        token, q = self.propose(hidden, sb, salt=1)
+        drafts, qs = [token], [q]
+        for i in range(2, k + 1):
+            attn = build_attention_batch(ones, L + i, rows, runner.req_to_slot, 1, inp.max_kv, self.draft_kv)
+            token, q = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)
+            drafts.append(token)
+            qs.append(q)
+        drafts_t = torch.stack(drafts, dim=1)                                  # [B, k]
+        self.mark("draft", marks)
+        verify_ids = torch.cat([bonus[:, None], drafts_t], dim=1)              # [B, k+1]
+        attn = build_attention_batch(ones * (k + 1), L + k + 1, rows, runner.req_to_slot, k + 1, inp.max_kv,
+                                     runner.kv)
+        out = runner.model(verify_ids.reshape(-1), attn)
+        logits = runner.model.compute_logits(out.hidden).view(batch, k + 1, -1)
+        emitted, n = verify_greedy(drafts_t, logits)
+        if not sb.all_greedy:
+            target_probs = filtered_probs(logits.reshape(batch * (k + 1), -1), expand(sb, k + 1)).view(batch, k + 1, -1)
+            uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
+            exponential = seeded_noise((batch, logits.shape[-1]), sb, runner.generator, dev, salt=21)
+            sampled, n_sampled = verify_sampled(drafts_t, torch.stack(qs, dim=1), target_probs, uniform, exponential)
+            emitted = torch.where(sb.greedy[:, None], emitted, sampled)
+            n = torch.where(sb.greedy, n, n_sampled)
+        pick = torch.arange(batch, device=dev)
+        self.kv_len[rows] = L + n + 1
+        self.bonus[rows] = emitted[pick, n]
+        self.prev[rows] = verify_ids[pick, n]
+        self.mark("verify", marks)
+        self.phase_marks.append(marks)
+        return runner.step_result(emitted, n, logits, sb)
