@@ -123,3 +123,20 @@ async def test_two_data_parallel_ranks_and_stream_interval(prompts, reference):
         outs = await asyncio.wait_for(asyncio.gather(*[count_deltas(i, p) for i, p in enumerate(prompts)]), 300)
     assert outs == reference
     assert max(counts) <= 40 // 8 + 1
+
+
+async def test_trace_file_shows_overlapped_spans(prompts, tmp_path):
+    import json
+    trace = tmp_path / "trace.json"
+    async with engine(["--model-path", str(DENSE), *SPEC["eagle"], "--trace-file", str(trace)]) as client:
+        await run_batch(client, prompts[:4], GREEDY)
+    events = json.loads(trace.read_text())
+    spans = [e for e in events if e.get("ph") == "X"]
+    names = {e["name"].split()[0] for e in spans}
+    assert {"schedule", "launch", "forward", "process", "draft", "verify", "extend"} <= names
+    tracks = {e["tid"] for e in spans}
+    assert tracks == {1, 2, 3, 4}
+    # Overlap: some CPU scheduling span lies inside a device span of the previous batch.
+    device = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"].startswith("forward")]
+    schedule = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"].startswith("schedule")]
+    assert any(d0 <= s0 and s1 <= d1 for s0, s1 in schedule for d0, d1 in device)
