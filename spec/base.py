@@ -10,14 +10,17 @@ Per-row device state, written by the step that produced it and read by the next
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections import deque
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.models.attention import KVCache
+from engine.models.attention import KVCache, build_attention_batch
+from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
+from spec.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
     from engine.model_runner import BatchInputs, ModelRunner
@@ -84,6 +87,40 @@ class SpecWorker(ABC):
             layers, kv_heads, head_dim = layout
             self.draft_kv = KVCache.allocate(layers, num_slots, kv_heads, head_dim, self.runner.dtype,
                                              self.runner.device.torch_device)
+
+
+    def verify(self, inp: "BatchInputs", rows: torch.Tensor, L: torch.Tensor, drafts: torch.Tensor,
+               draft_probs: Callable[[], torch.Tensor], capture_aux: bool = False):
+        """The target reads [bonus, d_1..d_k] at positions L..L+k; accept greedily (or by rejection
+        sampling against draft_probs() [B, k, V] for sampling rows). Returns the verify inputs [B, k+1],
+        the AttentionBatch, the target's output, its logits [B, k+1, V], emitted [B, k+1] and n [B]."""
+        runner, k, sb = self.runner, self.k, inp.sampling
+        batch, dev = rows.shape[0], rows.device
+        verify_ids = torch.cat([self.bonus[rows][:, None], drafts], dim=1)
+        attn = build_attention_batch(torch.full_like(rows, k + 1), L + k + 1, rows, runner.req_to_slot, k + 1,
+                                     inp.max_kv, runner.kv)
+        out = runner.model(verify_ids.reshape(-1), attn, capture_aux=capture_aux)
+        logits = runner.model.compute_logits(out.hidden).view(batch, k + 1, -1)
+        emitted, n = verify_greedy(drafts, logits)
+        if not sb.all_greedy:
+            vocab = logits.shape[-1]
+            target_probs = filtered_probs(logits.reshape(batch * (k + 1), vocab), expand(sb, k + 1))
+            uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
+            exponential = seeded_noise((batch, vocab), sb, runner.generator, dev, salt=21)
+            sampled, n_sampled = verify_sampled(drafts, draft_probs(), target_probs.view(batch, k + 1, vocab),
+                                                uniform, exponential)
+            emitted = torch.where(sb.greedy[:, None], emitted, sampled)
+            n = torch.where(sb.greedy, n, n_sampled)
+        return verify_ids, attn, out, logits, emitted, n
+
+
+def expand(sb: SamplingBatch, times: int) -> SamplingBatch:
+    """Repeat every row's sampling parameters `times` times (one per verify row)."""
+    rep = lambda t: t.repeat_interleave(times, dim=0)  # noqa: E731
+    return dataclasses.replace(sb, temperature=rep(sb.temperature), top_k=rep(sb.top_k), top_p=rep(sb.top_p),
+                               min_p=rep(sb.min_p), greedy=rep(sb.greedy),
+                               seeds=[s for s in sb.seeds for _ in range(times)],
+                               positions=[p for p in sb.positions for _ in range(times)])
 
 
 def create_spec_worker(algorithm: str, runner: "ModelRunner") -> SpecWorker:

@@ -23,7 +23,6 @@ from engine.models.attention import build_attention_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker
-from spec.verify import verify_greedy, verify_sampled
 
 
 class EagleWorker(SpecWorker):
@@ -104,19 +103,8 @@ class EagleWorker(SpecWorker):
             qs.append(q)
         drafts_t = torch.stack(drafts, dim=1)                                  # [B, k]
         self.mark("draft", marks)
-        verify_ids = torch.cat([self.bonus[rows][:, None], drafts_t], dim=1).reshape(-1)
-        attn = build_attention_batch(ones * (k + 1), L + k + 1, rows, runner.req_to_slot, k + 1, inp.max_kv,
-                                     runner.kv)
-        out = runner.model(verify_ids, attn, capture_aux=self.needs_aux)
-        logits = runner.model.compute_logits(out.hidden).view(batch, k + 1, -1)
-        emitted, n = verify_greedy(drafts_t, logits)
-        if not sb.all_greedy:
-            target_probs = filtered_probs(logits.reshape(batch * (k + 1), -1), expand(sb, k + 1)).view(batch, k + 1, -1)
-            uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
-            exponential = seeded_noise((batch, logits.shape[-1]), sb, runner.generator, dev, salt=21)
-            sampled, n_sampled = verify_sampled(drafts_t, torch.stack(qs, dim=1), target_probs, uniform, exponential)
-            emitted = torch.where(sb.greedy[:, None], emitted, sampled)
-            n = torch.where(sb.greedy, n, n_sampled)
+        _, attn, out, logits, emitted, n = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1),
+                                                      capture_aux=self.needs_aux)
         self.mark("verify", marks)
         features = out.aux_hidden if self.needs_aux else out.hidden
         g_all = self.head(emitted.reshape(-1), features, dataclasses.replace(attn, kv=self.draft_kv))
@@ -128,11 +116,3 @@ class EagleWorker(SpecWorker):
         self.phase_marks.append(marks)
         return runner.step_result(emitted, n, logits, sb)
 
-
-def expand(sb: SamplingBatch, times: int) -> SamplingBatch:
-    """Repeat every row's sampling parameters `times` times (one per verify row)."""
-    rep = lambda t: t.repeat_interleave(times, dim=0)  # noqa: E731
-    return dataclasses.replace(sb, temperature=rep(sb.temperature), top_k=rep(sb.top_k), top_p=rep(sb.top_p),
-                               min_p=rep(sb.min_p), greedy=rep(sb.greedy),
-                               seeds=[s for s in sb.seeds for _ in range(times)],
-                               positions=[p for p in sb.positions for _ in range(times)])

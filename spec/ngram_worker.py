@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.attention import build_attention_batch
-from engine.sampling import filtered_probs, seeded_noise
+
 from spec.base import SpecWorker
-from spec.eagle_worker import expand
-from spec.verify import verify_greedy, verify_sampled
 
 MATCH_LENGTHS = (3, 2, 1)      # suffix lengths tried, longest first
 
@@ -86,22 +83,9 @@ class NgramWorker(SpecWorker):
         width = min(inp.max_kv, self.tokens.shape[1])      # max_kv >= L+k+1 > every valid position
         drafts = ngram_drafts(self.tokens[rows, :width], L + 1, k)                 # [B, k]
         self.mark("draft", marks)
-        verify_ids = torch.cat([self.bonus[rows][:, None], drafts], dim=1)         # [B, k+1]
-        ones = torch.ones_like(rows)
-        attn = build_attention_batch(ones * (k + 1), L + k + 1, rows, runner.req_to_slot, k + 1, inp.max_kv,
-                                     runner.kv)
-        out = runner.model(verify_ids.reshape(-1), attn)
-        logits = runner.model.compute_logits(out.hidden).view(batch, k + 1, -1)
-        emitted, n = verify_greedy(drafts, logits)
-        if not sb.all_greedy:
-            vocab = logits.shape[-1]
-            target_probs = filtered_probs(logits.reshape(batch * (k + 1), -1), expand(sb, k + 1)).view(batch, k + 1, -1)
-            one_hot = torch.zeros(batch, k, vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)
-            uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
-            exponential = seeded_noise((batch, vocab), sb, runner.generator, dev, salt=21)
-            sampled, n_sampled = verify_sampled(drafts, one_hot, target_probs, uniform, exponential)
-            emitted = torch.where(sb.greedy[:, None], emitted, sampled)
-            n = torch.where(sb.greedy, n, n_sampled)
+        vocab = self.runner.vocab_size
+        one_hot = lambda: torch.zeros(batch, k, vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)  # noqa: E731
+        _, _, _, logits, emitted, n = self.verify(inp, rows, L, drafts, one_hot)
         pick = torch.arange(batch, device=dev)
         positions = (L[:, None] + 1 + torch.arange(k + 1, device=dev)).clamp(max=self.tokens.shape[1] - 1)
         self.tokens[rows[:, None], positions] = emitted

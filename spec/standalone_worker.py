@@ -28,8 +28,6 @@ from engine.models.attention import build_attention_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker
-from spec.eagle_worker import expand
-from spec.verify import verify_greedy, verify_sampled
 
 
 class StandaloneWorker(SpecWorker):
@@ -94,19 +92,7 @@ class StandaloneWorker(SpecWorker):
             qs.append(q)
         drafts_t = torch.stack(drafts, dim=1)                                  # [B, k]
         self.mark("draft", marks)
-        verify_ids = torch.cat([bonus[:, None], drafts_t], dim=1)              # [B, k+1]
-        attn = build_attention_batch(ones * (k + 1), L + k + 1, rows, runner.req_to_slot, k + 1, inp.max_kv,
-                                     runner.kv)
-        out = runner.model(verify_ids.reshape(-1), attn)
-        logits = runner.model.compute_logits(out.hidden).view(batch, k + 1, -1)
-        emitted, n = verify_greedy(drafts_t, logits)
-        if not sb.all_greedy:
-            target_probs = filtered_probs(logits.reshape(batch * (k + 1), -1), expand(sb, k + 1)).view(batch, k + 1, -1)
-            uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
-            exponential = seeded_noise((batch, logits.shape[-1]), sb, runner.generator, dev, salt=21)
-            sampled, n_sampled = verify_sampled(drafts_t, torch.stack(qs, dim=1), target_probs, uniform, exponential)
-            emitted = torch.where(sb.greedy[:, None], emitted, sampled)
-            n = torch.where(sb.greedy, n, n_sampled)
+        verify_ids, _, _, logits, emitted, n = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1))
         pick = torch.arange(batch, device=dev)
         self.kv_len[rows] = L + n + 1
         self.bonus[rows] = emitted[pick, n]

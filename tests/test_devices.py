@@ -3,7 +3,6 @@ without blocking the loop; accelerator tests run only where the device exists.""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest

@@ -122,7 +122,7 @@ def test_retraction_under_kv_pressure_recomputes_exactly(overlap):
         sched.add(f"r{i}", prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
         reqs.append((sched.requests[f"r{i}"], prompt))
     used = []
-    device = drive(sched, overlap, on_step=lambda s: used.append(s.pool.used_slots))
+    drive(sched, overlap, on_step=lambda s: used.append(s.pool.used_slots))
     assert sched.retractions > 0
     assert max(used) <= 96
     for req, prompt in reqs:
