@@ -57,6 +57,8 @@ class ServerArgs:
     speculative_eagle_topk: int = flag(1, "Draft branching per step; only chains (1) are supported.")
     dp_size: int = flag(1, "Data-parallel ranks: independent engine processes, each with its own KV cache; "
                            "the front sends each request to the least loaded one.")
+    cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank on the CPU (default: the cores per rank, "
+                                         "less one for the scheduler loop when overlapping).")
     stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
 
     @property

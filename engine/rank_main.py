@@ -49,9 +49,17 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
         channel.close()
 
 
+def cpu_threads(args: ServerArgs) -> int:
+    """Intra-op threads: with overlap on the CPU, the scheduler loop needs a core of its own."""
+    if args.cpu_threads:
+        return args.cpu_threads
+    per_rank = max(1, (os.cpu_count() or 1) // args.dp_size)
+    return max(1, per_rank - 1) if args.enable_overlap else per_rank
+
+
 def rank_main(args: ServerArgs, rank: int, socket_path: str) -> None:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(args.dp_size, 1)))
+    torch.set_num_threads(cpu_threads(args))
     torch.manual_seed(args.random_seed)
     try:
         import uvloop
