@@ -62,7 +62,8 @@ def _accept_table(acc: dict, names: list[str]) -> str:
 def target_card(name: str, s: dict, arch: str, arch_text: str, heads: list[str]) -> str:
     st = s.get(name.split("-")[1], {})
     samples = "\n".join(
-        f"Prompt:\n```python\n{x['prompt']}```\nGreedy continuation (64 tokens):\n```python\n{x['completion']}\n```\n"
+        f"Prompt:\n```python\n{x['prompt']}\n```\nGreedy continuation (64 new tokens, starting right after the "
+        f"prompt's last character):\n```python\n{x['completion']}\n```\n"
         for x in st.get("samples", []))
     return f"""# {name}
 
@@ -104,6 +105,7 @@ Held-out loss {st.get('heldout_loss')} nats/token, **perplexity {st.get('heldout
 {REPRO}            # everything
 python tools/train_tiny.py --out models --stages {name.split('-')[1]}   # only this model (needs the tokenizer stage's cache)
 ```
+This checkpoint was produced by `{st.get('command', REPRO)}`.
 Time-budgeted stages stop at `--minutes-*` or `--steps-*`, whichever comes first, so step counts
 depend on machine speed.
 """
@@ -144,6 +146,7 @@ Draft head for speculative decoding with `{st.get('target')}` (same tokenizer; e
 {REPRO} --stages {stage},eval,cards
 {EVAL}
 ```
+This checkpoint was produced by `{st.get('command', REPRO)}`.
 """
 
 

@@ -40,6 +40,7 @@ def log(msg: str) -> None:
 def save_stats(args, stage: str, stats: dict) -> None:
     d = Path(args.cache) / "stats"
     d.mkdir(parents=True, exist_ok=True)
+    stats.setdefault("command", args.command)
     (d / f"{stage}.json").write_text(json.dumps(stats, indent=2) + "\n")
 
 
@@ -244,6 +245,7 @@ def main(argv=None):
         ap.add_argument(f"--minutes-{k.replace('_', '-')}", type=float, default=m)
         ap.add_argument(f"--steps-{k.replace('_', '-')}", type=int, default=100000)
     args = ap.parse_args(argv)
+    args.command = " ".join(["python tools/train_tiny.py", *(sys.argv[1:] if argv is None else argv)])
     if args.quick:
         for k in budgets:
             setattr(args, f"steps_{k}", 3)
