@@ -240,10 +240,12 @@ def main(argv=None):
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--eval-gen", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="tiny budgets for a smoke test")
-    budgets = {"dense": 33, "moe": 14, "eagle_dense": 10, "eagle3_dense": 9, "eagle_moe": 12}
-    for k, m in budgets.items():
+    # (minutes, max steps) per stage; the first limit reached ends the stage
+    budgets = {"dense": (33, 100000), "moe": (14, 100000), "eagle_dense": (10, 100000),
+               "eagle3_dense": (9, 100000), "eagle_moe": (12, 500)}
+    for k, (m, s) in budgets.items():
         ap.add_argument(f"--minutes-{k.replace('_', '-')}", type=float, default=m)
-        ap.add_argument(f"--steps-{k.replace('_', '-')}", type=int, default=100000)
+        ap.add_argument(f"--steps-{k.replace('_', '-')}", type=int, default=s)
     args = ap.parse_args(argv)
     args.command = " ".join(["python tools/train_tiny.py", *(sys.argv[1:] if argv is None else argv)])
     if args.quick:
