@@ -104,7 +104,7 @@ class ModelRunner:
             if seq.samples:
                 sample_rows.append(offset - 1)
                 future_ids.append(seq.future_id)
-                positions.append(end)
+                positions.append(seq.noise_key)
         long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
         return BatchInputs(
             input_ids=long(batch.input_ids), table_rows=long(batch.table_rows), table_pos=long(batch.table_pos),

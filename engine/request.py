@@ -40,6 +40,7 @@ class Request:
         self.kv_len = 0
         self.prefilled = False        # its last prompt chunk has been launched
         self.spec_verify_ct = 0       # speculative verify steps that produced output for it
+        self.spec_steps_launched = 0
         self.pending = 0
         self.future_id = 0
         self.finish_reason: str | None = None

@@ -25,6 +25,9 @@ from engine.messages import SamplingParams
 from engine.request import Request, Status
 
 
+SPEC_NOISE_BASE = 1 << 24      # keeps speculative steps' noise keys apart from token positions
+
+
 @dataclass
 class SeqWork:
     req: Request
@@ -34,6 +37,7 @@ class SeqWork:
     future_id: int = 0  # > 0 when this sequence samples; its output's future-map slot
     spec: bool = False  # a speculative draft/verify step
     last_chunk: bool = False
+    noise_key: int = 0  # seeded sampling: what, besides the seed, fixes this step's random draws
 
     @property
     def samples(self) -> bool:
@@ -230,7 +234,7 @@ class Scheduler:
             batch.input_ids.append(-req.future_id)
         else:
             batch.input_ids.extend(req.all_ids[start:end])
-        seq = SeqWork(req=req, row=req.row, start=start, q_len=size, last_chunk=end >= req.known_len)
+        seq = SeqWork(req=req, row=req.row, start=start, q_len=size, last_chunk=end >= req.known_len, noise_key=end)
         if seq.last_chunk:
             req.prefilled = True
             seq.future_id = req.future_id = self.take_future()
@@ -245,7 +249,10 @@ class Scheduler:
         """One speculative step: its k+1 positions start where the device says."""
         size = self.config.spec_tokens
         self.allocate(batch, req, req.kv_len + size)
-        batch.seqs.append(SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, spec=True))
+        # The KV bound depends on timing (when earlier steps were processed); the step count does not.
+        req.spec_steps_launched += 1
+        batch.seqs.append(SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, spec=True,
+                                  noise_key=SPEC_NOISE_BASE + req.spec_steps_launched))
         batch.sample_params.append(req.params)
         req.kv_len += size
         req.pending += 1
