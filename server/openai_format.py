@@ -6,6 +6,7 @@ offsets) and turns SeqUpdates / ChoiceResults into OpenAI objects.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 
 from server.detokenizer import TokenTexts
 from server.errors import APIError
@@ -23,7 +24,7 @@ def check_not_aborted(finish_reason: str | None) -> None:
         raise APIError(503, "The engine aborted the request.", code="engine_aborted")
 
 
-class OpenAIFormat:
+class OpenAIFormat(ABC):
     """Shared envelope: id, object, created, model; usage over all prompts."""
     object_whole = object_chunk = ""
 
@@ -57,11 +58,13 @@ class OpenAIFormat:
         body["usage"] = usage(self.prompt_tokens, completion_tokens)
         return body
 
+    @abstractmethod
     def whole_choice(self, result: ChoiceResult) -> dict:
-        raise NotImplementedError
+        """One choice of a non-streaming response."""
 
+    @abstractmethod
     def chunk_choice(self, update: SeqUpdate, first: bool) -> dict:
-        raise NotImplementedError
+        """One choice of a streamed chunk."""
 
 
 class CompletionFormat(OpenAIFormat):

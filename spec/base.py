@@ -55,6 +55,12 @@ class SpecWorker(ABC):
         """Record the end of a phase (draft, verify, extend) of the step being launched."""
         marks.append((phase, self.runner.device.mark()))
 
+    def start_step(self, inp: "BatchInputs") -> tuple[torch.Tensor, torch.Tensor, list]:
+        """On the stream, at the start of a decode step: the batch's rows, their KV lengths L,
+        and the phase marks begun with "start"."""
+        rows = inp.rows.to(self.runner.device.torch_device)
+        return rows, self.kv_len[rows], [("start", self.runner.device.mark())]
+
     def take_phase_times(self) -> list[tuple[str, float]]:
         """(phase, seconds) of the oldest finished decode step; call once per finished step."""
         marks = self.phase_marks.popleft()

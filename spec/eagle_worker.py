@@ -87,11 +87,8 @@ class EagleWorker(SpecWorker):
 
     def decode_step(self, inp) -> tuple:
         runner, k, sb = self.runner, self.k, inp.sampling
-        dev = runner.device.torch_device
-        rows = inp.rows.to(dev)
-        batch = rows.shape[0]
-        marks = [("start", runner.device.mark())]
-        L = self.kv_len[rows]
+        rows, L, marks = self.start_step(inp)
+        dev, batch = rows.device, rows.shape[0]
         ones = torch.ones_like(rows)
         drafts, qs = [self.draft_first[rows]], [self.first_probs[rows]]
         g = self.draft_hidden[rows]

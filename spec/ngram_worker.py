@@ -75,11 +75,8 @@ class NgramWorker(SpecWorker):
 
     def decode_step(self, inp) -> tuple:
         runner, k, sb = self.runner, self.k, inp.sampling
-        dev = runner.device.torch_device
-        rows = inp.rows.to(dev)
-        batch = rows.shape[0]
-        marks = [("start", runner.device.mark())]
-        L = self.kv_len[rows]
+        rows, L, marks = self.start_step(inp)
+        dev, batch = rows.device, rows.shape[0]
         width = min(inp.max_kv, self.tokens.shape[1])      # max_kv >= L+k+1 > every valid position
         drafts = ngram_drafts(self.tokens[rows, :width], L + 1, k)                 # [B, k]
         self.mark("draft", marks)

@@ -73,11 +73,8 @@ class StandaloneWorker(SpecWorker):
 
     def decode_step(self, inp) -> tuple:
         runner, k, sb = self.runner, self.k, inp.sampling
-        dev = runner.device.torch_device
-        rows = inp.rows.to(dev)
-        batch = rows.shape[0]
-        marks = [("start", runner.device.mark())]
-        L = self.kv_len[rows]
+        rows, L, marks = self.start_step(inp)
+        dev, batch = rows.device, rows.shape[0]
         ones = torch.ones_like(rows)
         bonus = self.bonus[rows]
         first_ids = torch.stack([self.prev[rows], bonus], dim=1).reshape(-1)

@@ -45,7 +45,7 @@ def wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
 @pytest.fixture(scope="module")
 def tandem_url(tmp_path_factory):
     if not (REPO / "run.py").is_file() or not (MODEL / "config.json").is_file():
-        pytest.skip("run.py or models/tandem-dense/config.json does not exist yet")
+        pytest.fail("run.py or models/tandem-dense/config.json does not exist yet")
     port = free_port()
     log = tmp_path_factory.mktemp("tandem") / "server.log"
     with open(log, "w") as out:
