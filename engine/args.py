@@ -15,6 +15,9 @@ DEFAULT_MODEL = str(REPO / "models" / "tandem-dense")
 DEFAULT_DRAFTS = {"eagle": str(REPO / "models" / "tandem-dense-eagle"),
                   "eagle3": str(REPO / "models" / "tandem-dense-eagle3")}
 SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
+# Chain length when --speculative-num-steps is not given. An n-gram draft costs a lookup, not a
+# forward, so a longer chain only pays for verify rows (bench/results/ngram_steps.txt).
+DEFAULT_NUM_STEPS = {"eagle": 3, "eagle3": 3, "standalone": 3, "ngram": 7}
 
 
 def flag(default, help: str, choices=None):
@@ -52,7 +55,8 @@ class ServerArgs:
                                               "SGLang's upper-case names are accepted.", SPEC_CHOICES)
     speculative_draft_model_path: str | None = flag(None, "Draft model folder (EAGLE / EAGLE-3 head, or a small LM for "
                                                           "standalone); default: the embedded head of the embedded model.")
-    speculative_num_steps: int = flag(3, "Draft tokens proposed per step (chain length).")
+    speculative_num_steps: int | None = flag(None, "Draft tokens proposed per step (chain length); default: "
+                                                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_NUM_STEPS.items()) + ".")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")
     speculative_eagle_topk: int = flag(1, "Draft branching per step; only chains (1) are supported.")
     dp_size: int = flag(1, "Data-parallel ranks: independent engine processes, each with its own KV cache; "
@@ -80,6 +84,17 @@ class ServerArgs:
         return "eagle" if Path(self.model_path).resolve() == Path(DEFAULT_MODEL) else "none"
 
     @property
+    def num_steps(self) -> int:
+        """The resolved chain length (0 without speculation)."""
+        if self.spec_algorithm == "none":
+            return 0
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:      # a chain verifies steps + 1 tokens
+            return self.speculative_num_draft_tokens - 1
+        return DEFAULT_NUM_STEPS[self.spec_algorithm]
+
+    @property
     def draft_model_path(self) -> str | None:
         if self.spec_algorithm in ("none", "ngram"):
             return None
@@ -93,11 +108,11 @@ class ServerArgs:
         """Refuse contradictory flags with a message naming them."""
         if self.speculative_eagle_topk != 1:
             raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only chain drafts (1) are supported")
-        if self.speculative_num_steps < 1:
-            raise ValueError("--speculative-num-steps must be at least 1")
-        if self.speculative_num_draft_tokens not in (None, self.speculative_num_steps + 1):
+        if self.spec_algorithm != "none" and self.num_steps < 1:
+            raise ValueError("--speculative-num-steps must be at least 1 (--speculative-num-draft-tokens at least 2)")
+        if self.num_steps and self.speculative_num_draft_tokens not in (None, self.num_steps + 1):
             raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 "
-                             f"({self.speculative_num_steps + 1}) for chain drafts")
+                             f"({self.num_steps + 1}) for chain drafts")
         if self.spec_algorithm in ("eagle", "eagle3", "standalone") and not self.draft_model_path:
             raise ValueError(f"--speculative-algorithm {self.spec_algorithm} needs --speculative-draft-model-path")
         if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,

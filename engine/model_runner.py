@@ -57,7 +57,7 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.context_length = args.context_length or self.hf_config.max_position_embeddings
         self.num_rows = args.max_running_requests
-        self.spec_tokens = args.speculative_num_steps + 1 if args.spec_algorithm != "none" else 0
+        self.spec_tokens = args.num_steps + 1 if args.num_steps else 0
         # Speculative steps may write up to two steps (2 * (k+1) positions) past the committed length.
         self.table_width = self.context_length + 2 * self.spec_tokens + 1
         dev = device.torch_device
@@ -74,7 +74,7 @@ class ModelRunner:
         log.info("loaded %s (%s, %s) on %s; KV cache: %d tokens, context %d; speculation: %s",
                  Path(args.model_path).name, self.hf_config.architectures[0], self.dtype, dev,
                  self.num_slots, self.context_length,
-                 f"{args.spec_algorithm}, {args.speculative_num_steps} steps" if self.spec else "off")
+                 f"{args.spec_algorithm}, {args.num_steps} steps" if self.spec else "off")
 
     def kv_capacity(self, bytes_per_slot: int) -> int:
         args = self.args

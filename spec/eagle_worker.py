@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from engine.models.attention import build_attention_batch
+from engine.models.attention import chain_step_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker
@@ -27,7 +27,7 @@ from spec.base import SpecWorker
 
 class EagleWorker(SpecWorker):
     def __init__(self, runner):
-        super().__init__(runner, runner.args.speculative_num_steps)
+        super().__init__(runner, runner.args.num_steps)
         dev = runner.device.torch_device
         self.head, _ = load_draft(runner.args.draft_model_path, runner.model, runner.dtype, dev)
         self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
@@ -89,12 +89,11 @@ class EagleWorker(SpecWorker):
         runner, k, sb = self.runner, self.k, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
-        ones = torch.ones_like(rows)
         drafts, qs = [self.draft_first[rows]], [self.first_probs[rows]]
         g = self.draft_hidden[rows]
+        table = runner.req_to_slot[rows, :inp.max_kv] if k > 1 else None     # max_kv > L + k: every chain position
         for i in range(2, k + 1):
-            attn = build_attention_batch(ones, L + i - 1, rows, runner.req_to_slot, 1, inp.max_kv, self.draft_kv)
-            g = self.head(drafts[-1], g, attn)
+            g = self.head(drafts[-1], g, chain_step_batch(L + (i - 2), table, self.draft_kv))
             token, q = self.propose(g, sb, salt=1 + i)
             drafts.append(token)
             qs.append(q)

@@ -52,7 +52,7 @@ def ngram_drafts(history: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
 
 class NgramWorker(SpecWorker):
     def __init__(self, runner):
-        super().__init__(runner, runner.args.speculative_num_steps)
+        super().__init__(runner, runner.args.num_steps)
         width = runner.table_width                         # context + room for the steps in flight
         self.tokens = torch.zeros(runner.num_rows, width, dtype=torch.long, device=runner.device.torch_device)
 

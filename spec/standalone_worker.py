@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from engine.models.attention import build_attention_batch
+from engine.models.attention import build_attention_batch, chain_step_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker
@@ -32,7 +32,7 @@ from spec.base import SpecWorker
 
 class StandaloneWorker(SpecWorker):
     def __init__(self, runner):
-        super().__init__(runner, runner.args.speculative_num_steps)
+        super().__init__(runner, runner.args.num_steps)
         dev = runner.device.torch_device
         path = runner.args.draft_model_path
         self.draft, config = load_model(path, runner.dtype, dev)
@@ -82,8 +82,9 @@ class StandaloneWorker(SpecWorker):
         hidden = self.draft(first_ids, attn).hidden.view(batch, 2, -1)[:, 1]
         token, q = self.propose(hidden, sb, salt=1)
         drafts, qs = [token], [q]
+        table = runner.req_to_slot[rows, :inp.max_kv] if k > 1 else None     # max_kv > L + k: every chain position
         for i in range(2, k + 1):
-            attn = build_attention_batch(ones, L + i, rows, runner.req_to_slot, 1, inp.max_kv, self.draft_kv)
+            attn = chain_step_batch(L + (i - 1), table, self.draft_kv)
             token, q = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)
             drafts.append(token)
             qs.append(q)

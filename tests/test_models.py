@@ -6,6 +6,7 @@ reference's logits at the same position of the full sequence.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -636,3 +637,22 @@ def test_heads_match_tiny_heads_reference(llama_target, tmp_path, kind):
             reference_head.t2d.index_fill_(0, draft_ids, True)
     reference_head.save_pretrained(tmp_path / kind)
     check_against_tiny_heads(tiny_heads, tmp_path / kind, hf_target, target, random_sequences([8, 5], seed=14))
+
+
+def test_chain_step_batch_attends_like_the_general_builder():
+    """The draft chain's shared-table batch gives the same attention as a fresh single-query build."""
+    from engine.models.attention import KVCache, build_attention_batch, chain_step_batch, paged_attention
+    gen = torch.Generator().manual_seed(0)
+    kv = KVCache.allocate(1, 64, 2, 8, torch.float32)
+    kv.k[0].normal_(generator=gen)
+    kv.v[0].normal_(generator=gen)
+    table = torch.randperm(64, generator=gen)[:48].view(3, 16)
+    rows = torch.tensor([2, 0])
+    positions = torch.tensor([5, 11])
+    q, k, v = (torch.randn(2, h, 8, generator=gen) for h in (4, 2, 2))
+    outs = []
+    for batch in (build_attention_batch(torch.ones(2, dtype=torch.long), positions + 1, rows, table, 1, 14, kv),
+                  chain_step_batch(positions, table[rows, :14], kv)):
+        snapshot = KVCache(k=[kv.k[0].clone()], v=[kv.v[0].clone()])
+        outs.append(paged_attention(q, k, v, 0, dataclasses.replace(batch, kv=snapshot), 8 ** -0.5))
+    torch.testing.assert_close(outs[0], outs[1])

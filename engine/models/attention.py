@@ -88,6 +88,19 @@ def build_attention_batch(q_lens: torch.Tensor, kv_lens: torch.Tensor, req_rows:
                           query_rows=query_rows, mask=mask, token_rows=token_rows, kv=kv)
 
 
+def chain_step_batch(positions: torch.Tensor, table_slots: torch.Tensor, kv: KVCache) -> AttentionBatch:
+    """One new token per sequence at `positions` [B], for the steps of a draft chain: `table_slots`
+    [B, K] is the sequences' slot table (K > every position), sliced once and shared by the chain's
+    steps; keys after each position are masked, so nothing past it is read."""
+    batch, width = table_slots.shape
+    device = positions.device
+    k_idx = torch.arange(width, device=device)
+    rows = torch.arange(batch, device=device)
+    return AttentionBatch(positions=positions, write_slots=table_slots[rows, positions], read_slots=table_slots,
+                          query_rows=rows[:, None], mask=(k_idx[None, :] <= positions[:, None])[:, None, None, :],
+                          token_rows=rows, kv=kv)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                     batch: AttentionBatch, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Writes k, v to the cache,

@@ -1,0 +1,29 @@
+"""Speculative flags resolve to a chain length per algorithm, and contradictions are refused."""
+import pytest
+
+from engine.args import DEFAULT_NUM_STEPS, parse_args
+
+
+@pytest.mark.parametrize("algo", ["eagle", "eagle3", "ngram"])
+def test_chain_length_defaults_per_algorithm(algo):
+    assert parse_args(["--speculative-algorithm", algo]).num_steps == DEFAULT_NUM_STEPS[algo]
+
+
+def test_chain_length_from_flags():
+    assert parse_args(["--speculative-algorithm", "ngram", "--speculative-num-steps", "2"]).num_steps == 2
+    assert parse_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"]).num_steps == 4
+    assert parse_args(["--speculative-algorithm", "none"]).num_steps == 0
+    assert parse_args([]).num_steps == DEFAULT_NUM_STEPS["eagle"]          # the embedded default serves EAGLE
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative-eagle-topk", "4"], "only chain drafts"),
+    (["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6"], "must be --speculative-num-steps + 1"),
+    (["--speculative-num-steps", "0"], "at least 1"),
+    (["--speculative-algorithm", "eagle3", "--model-path", "/nonexistent"], "needs --speculative-draft-model-path"),
+])
+def test_contradictions_are_refused(flags, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(flags)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
