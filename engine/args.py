@@ -18,6 +18,9 @@ SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
 # Chain length when --speculative-num-steps is not given. An n-gram draft costs a lookup, not a
 # forward, so a longer chain only pays for verify rows (bench/results/ngram_steps.txt).
 DEFAULT_NUM_STEPS = {"eagle": 3, "eagle3": 3, "standalone": 3, "ngram": 7}
+# Batch size from which a decode step drafts nothing (0: never), from the concurrency sweeps in
+# the README: where speculation stops paying, plain steps are cheaper.
+DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 0, "ngram": 0}
 
 
 def flag(default, help: str, choices=None):
@@ -59,6 +62,10 @@ class ServerArgs:
                                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_NUM_STEPS.items()) + ".")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")
     speculative_eagle_topk: int = flag(1, "Draft branching per step; only chains (1) are supported.")
+    speculative_disable_by_batch_size: int | None = flag(
+        None, "Decode steps of at least this many requests draft nothing (plain decoding under load; "
+              "tandem_spec_off_steps_total counts them). 0: always draft. Default: "
+              + ", ".join(f"{k} {v}" for k, v in DEFAULT_SPEC_OFF_BATCH_SIZE.items()) + ".")
     dp_size: int = flag(1, "Data-parallel ranks: independent engine processes, each with its own KV cache; "
                            "the front sends each request to the least loaded one.")
     cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank on the CPU (default: the cores per rank, "
@@ -95,6 +102,14 @@ class ServerArgs:
         return DEFAULT_NUM_STEPS[self.spec_algorithm]
 
     @property
+    def spec_off_batch_size(self) -> int:
+        if self.spec_algorithm == "none":
+            return 0
+        if self.speculative_disable_by_batch_size is not None:
+            return self.speculative_disable_by_batch_size
+        return DEFAULT_SPEC_OFF_BATCH_SIZE[self.spec_algorithm]
+
+    @property
     def draft_model_path(self) -> str | None:
         if self.spec_algorithm in ("none", "ngram"):
             return None
@@ -115,6 +130,8 @@ class ServerArgs:
                              f"({self.num_steps + 1}) for chain drafts")
         if self.spec_algorithm in ("eagle", "eagle3", "standalone") and not self.draft_model_path:
             raise ValueError(f"--speculative-algorithm {self.spec_algorithm} needs --speculative-draft-model-path")
+        if (self.speculative_disable_by_batch_size or 0) < 0:
+            raise ValueError("--speculative-disable-by-batch-size must be >= 0")
         if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,
                self.max_prefill_tokens, self.dp_size) < 1:
             raise ValueError("--page-size, --max-running-requests, --chunked-prefill-size, --max-prefill-tokens, "

@@ -43,6 +43,8 @@ class BatchInputs:
     sampling: SamplingBatch
     draft_next: torch.Tensor       # speculation, prefill: the token after each chunk (-1: the sampled one)
     spec_decode: bool
+    chain: int                     # speculative decode: draft tokens per request (0: a plain step under load)
+    draft_lag: torch.Tensor        # speculative decode: tokens each request's draft model has not read yet
 
 
 def resolve_dtype(name: str, device: Device) -> torch.dtype:
@@ -93,13 +95,14 @@ class ModelRunner:
     # ---- CPU side ------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
-        q_lens, kv_lens, rows, sample_rows, future_ids, positions = [], [], [], [], [], []
+        q_lens, kv_lens, rows, sample_rows, future_ids, positions, lags = [], [], [], [], [], [], []
         offset = 0
         for seq in batch.seqs:
             end = seq.start + seq.q_len
             q_lens.append(seq.q_len)
             kv_lens.append(end)
             rows.append(seq.row)
+            lags.append(seq.draft_lag)
             offset += seq.q_len
             if seq.samples:
                 sample_rows.append(offset - 1)
@@ -111,7 +114,8 @@ class ModelRunner:
             table_slots=long(batch.table_slots), q_lens=long(q_lens), kv_lens=long(kv_lens), rows=long(rows),
             sample_rows=long(sample_rows), future_ids=long(future_ids), max_q=batch.max_q, max_kv=batch.max_kv,
             sampling=SamplingBatch.build(batch.sample_params, positions, self.vocab_size, torch.device("cpu")),
-            draft_next=long(batch.draft_next), spec_decode=batch.is_spec_decode)
+            draft_next=long(batch.draft_next), spec_decode=batch.is_spec_decode, chain=batch.chain,
+            draft_lag=long(lags))
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         inputs = self.prepare(batch)

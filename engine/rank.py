@@ -46,7 +46,7 @@ class Rank:
             max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
             max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
             context_length=self.runner.context_length, future_slots=future_slots,
-            spec_tokens=self.runner.spec_tokens), self.pool, eos_ids)
+            spec_tokens=self.runner.spec_tokens, spec_off_batch_size=args.spec_off_batch_size), self.pool, eos_ids)
         self.inbox: list = []
         self.wake = asyncio.Event()
         self.stopping = False
@@ -113,8 +113,9 @@ class Rank:
         self.tracer.span("process", f"process {in_flight.batch.step}", start, end)
 
     def account_spec_step(self, in_flight: InFlight, output) -> None:
-        for run in output.tokens:
-            self.accept_hist[len(run) - 1] += 1
+        if in_flight.batch.chain:             # plain steps under load are counted apart (spec_off_steps)
+            for run in output.tokens:
+                self.accept_hist[len(run) - 1] += 1
         t = in_flight.launched.started
         for phase, seconds in self.runner.spec.take_phase_times():
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
@@ -188,9 +189,15 @@ class Rank:
                      self.rank, self.generated / (now - self.last_log), len(self.scheduler.running),
                      len(self.scheduler.waiting), self.pool.used_slots, self.pool.total_slots,
                      100 * self.overlap.hidden_fraction,
-                     f", accept length {self.accept_length():.2f}" if self.runner.spec else "")
+                     self.spec_log_text())
             self.generated, self.last_log = 0, now
         self.last_stats = now
+
+    def spec_log_text(self) -> str:
+        if not self.runner.spec:
+            return ""
+        off = self.scheduler.spec_off_steps
+        return f", accept length {self.accept_length():.2f}" + (f", speculation off for {off} steps (load)" if off else "")
 
     def accept_length(self) -> float:
         steps = sum(self.accept_hist)
@@ -201,4 +208,5 @@ class Rank:
                          kv_used=self.pool.used_slots, kv_total=self.pool.total_slots, steps=self.scheduler.step,
                          hidden_cpu_fraction=self.overlap.hidden_fraction, retractions=self.scheduler.retractions,
                          spec_accept_len=self.accept_length(), spec_accept_hist=list(self.accept_hist),
-                         spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist))
+                         spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist),
+                         spec_off_steps=self.scheduler.spec_off_steps)

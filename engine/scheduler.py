@@ -14,6 +14,12 @@ k+1 tokens whose start and accepted length live on the device. `kv_len` is then 
 upper bound: each launched step adds k+1, each processed step gives back what it did
 not accept, and the pages past the bound are returned. Prefill and speculative
 decode go in separate batches.
+
+Under load (a decode batch of at least `spec_off_batch_size` requests) a step drafts
+nothing: it verifies only the bonus token, i.e. it is a plain decode step that emits
+exactly one token. A draft model that skipped such steps catches up in the next
+drafting step; `draft_lag` (plain steps since the request's draft last ran) is exact
+on the CPU because each of those steps emitted exactly one token.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class SeqWork:
     spec: bool = False  # a speculative draft/verify step
     last_chunk: bool = False
     noise_key: int = 0  # seeded sampling: what, besides the seed, fixes this step's random draws
+    draft_lag: int = 0  # speculative decode: tokens the request's draft has not read yet (plain steps)
 
     @property
     def samples(self) -> bool:
@@ -54,6 +61,7 @@ class ScheduledBatch:
     table_slots: list[int] = field(default_factory=list)   #   allocated position
     sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
     draft_next: list[int] = field(default_factory=list)    # speculation, prefill: token after each chunk (-1: sampled)
+    chain: int = 0              # speculative decode: draft tokens per request this step (k, or 0 under load)
 
     @property
     def is_spec_decode(self) -> bool:
@@ -94,6 +102,7 @@ class SchedulerConfig:
     context_length: int
     future_slots: int
     spec_tokens: int = 0     # k+1 tokens per speculative decode step; 0 without speculation
+    spec_off_batch_size: int = 0   # decode batches this large draft nothing (0: always draft)
 
 
 class Scheduler:
@@ -107,6 +116,7 @@ class Scheduler:
         self.step = 0
         self.next_future = 0
         self.retractions = 0
+        self.spec_off_steps = 0       # speculative decode steps that drafted nothing (under load)
 
     # ---- intake ------------------------------------------------------------------
 
@@ -149,10 +159,13 @@ class Scheduler:
         if not (spec and self.prefill_ready()):
             decodes = [r for r in self.running if self.is_decoding(r)]
             self.make_room_for(decodes)
+            if spec:
+                batch.chain = self.chain_length(sum(r.status is Status.RUNNING for r in decodes))
             for req in decodes:
                 if req.status is Status.RUNNING:
                     self.feed_spec(batch, req) if spec else self.feed(batch, req, 1)
             if spec and batch.seqs:
+                self.spec_off_steps += batch.chain == 0
                 return batch
         budget = self.config.max_prefill_tokens
         for req in [r for r in self.running if not self.is_decoding(r)]:
@@ -167,6 +180,11 @@ class Scheduler:
             self.running.append(req)
             budget -= self.feed_chunk(batch, req, budget)
         return batch if batch.seqs else None
+
+    def chain_length(self, batch_size: int) -> int:
+        """Draft tokens per request for a speculative decode step of `batch_size` requests."""
+        off = self.config.spec_off_batch_size
+        return 0 if off and batch_size >= off else self.config.spec_tokens - 1
 
     def prefill_ready(self) -> bool:
         """Speculation: run a prefill batch now (new or chunked prompts can make progress)."""
@@ -204,7 +222,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.release(req.pages)
         self.pool.give_row(req.row)
-        req.row, req.kv_len, req.status, req.prefilled = None, 0, Status.WAITING, False
+        req.row, req.kv_len, req.status, req.prefilled, req.draft_lag = None, 0, Status.WAITING, False, 0
         req.retractions += 1
         self.retractions += 1
         self.waiting.appendleft(req)
@@ -252,7 +270,8 @@ class Scheduler:
         # The KV bound depends on timing (when earlier steps were processed); the step count does not.
         req.spec_steps_launched += 1
         batch.seqs.append(SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, spec=True,
-                                  noise_key=SPEC_NOISE_BASE + req.spec_steps_launched))
+                                  noise_key=SPEC_NOISE_BASE + req.spec_steps_launched, draft_lag=req.draft_lag))
+        req.draft_lag = req.draft_lag + 1 if batch.chain == 0 else 0
         batch.sample_params.append(req.params)
         req.kv_len += size
         req.pending += 1

@@ -74,8 +74,9 @@ class SpecWorker(ABC):
 
     @abstractmethod
     def decode_step(self, inp: "BatchInputs") -> tuple:
-        """On the stream: draft, verify, accept, update state. Returns host tensors
-        (emitted [B, k+1], accepted drafts n [B], and logprob tensors when asked)."""
+        """On the stream: draft inp.chain tokens per row (0: none, a plain step under load), verify,
+        accept, update state. Returns host tensors (emitted [B, chain+1], accepted drafts n [B], and
+        logprob tensors when asked)."""
 
     def draft_kv_layout(self) -> tuple[int, int, int] | None:
         """(layers, kv_heads, head_dim) of the draft's own KV cache; None without a draft model."""
@@ -99,8 +100,9 @@ class SpecWorker(ABC):
                draft_probs: Callable[[], torch.Tensor], capture_aux: bool = False):
         """The target reads [bonus, d_1..d_k] at positions L..L+k; accept greedily (or by rejection
         sampling against draft_probs() [B, k, V] for sampling rows). Returns the verify inputs [B, k+1],
-        the AttentionBatch, the target's output, its logits [B, k+1, V], emitted [B, k+1] and n [B]."""
-        runner, k, sb = self.runner, self.k, inp.sampling
+        the AttentionBatch, the target's output, its logits [B, k+1, V], emitted [B, k+1] and n [B].
+        k = drafts.shape[1] may be 0: a plain decode step of the bonus token."""
+        runner, k, sb = self.runner, drafts.shape[1], inp.sampling
         batch, dev = rows.shape[0], rows.device
         verify_ids = torch.cat([self.bonus[rows][:, None], drafts], dim=1)
         attn = build_attention_batch(torch.full_like(rows, k + 1), L + k + 1, rows, runner.req_to_slot, k + 1,
@@ -118,6 +120,31 @@ class SpecWorker(ABC):
             emitted = torch.where(sb.greedy[:, None], emitted, sampled)
             n = torch.where(sb.greedy, n, n_sampled)
         return verify_ids, attn, out, logits, emitted, n
+
+
+class TokenHistory:
+    """Per-row token history on the device: tokens[row, p] = the request's token at position p,
+    valid for p <= kv_len[row] (the bonus sits at position kv_len). A prefill writes its chunk
+    and, on the last chunk, the sampled token; a decode step writes its emitted tokens at
+    L+1..L+R (only the first n+1 become valid; the rest lie past the valid end and are
+    overwritten before they are read)."""
+
+    def __init__(self, runner: "ModelRunner"):
+        self.tokens = torch.zeros(runner.num_rows, runner.table_width, dtype=torch.long,
+                                  device=runner.device.torch_device)
+
+    def write_prefill(self, inp: "BatchInputs", input_ids: torch.Tensor, positions: torch.Tensor,
+                      sampled: torch.Tensor) -> None:
+        dev = input_ids.device
+        token_rows = inp.rows.to(dev).repeat_interleave(inp.q_lens.to(dev), output_size=input_ids.shape[0])
+        self.tokens[token_rows, positions] = input_ids
+        if sampled.numel():
+            last_chunks = inp.draft_next < 0                                   # host: the sequences that sampled
+            self.tokens[inp.rows[last_chunks].to(dev), inp.kv_lens[last_chunks].to(dev)] = sampled
+
+    def write_step(self, rows: torch.Tensor, L: torch.Tensor, emitted: torch.Tensor) -> None:
+        positions = L[:, None] + 1 + torch.arange(emitted.shape[1], device=rows.device)
+        self.tokens[rows[:, None], positions.clamp(max=self.tokens.shape[1] - 1)] = emitted
 
 
 def expand(sb: SamplingBatch, times: int) -> SamplingBatch:

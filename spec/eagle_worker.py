@@ -1,6 +1,7 @@
 """EAGLE / EAGLE-3 chain drafting, on the stream, with fixed shapes.
 
-A step for B decoding requests (k = num_steps; L = kv_len[row]; b = bonus[row]):
+A step for B decoding requests (k = inp.chain: num_steps, or 0 for a plain step under load;
+L = kv_len[row]; b = bonus[row]):
 
   draft    d_1 comes from the previous extend; for i = 2..k the head reads (d_{i-1}, g)
            at position L+i-2 and proposes d_i                       (k-1 forwards of B rows)
@@ -86,10 +87,10 @@ class EagleWorker(SpecWorker):
     # ---- one speculative step ------------------------------------------------------
 
     def decode_step(self, inp) -> tuple:
-        runner, k, sb = self.runner, self.k, inp.sampling
+        runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
-        drafts, qs = [self.draft_first[rows]], [self.first_probs[rows]]
+        drafts, qs = [self.draft_first[rows]][:k], [self.first_probs[rows]][:k]
         g = self.draft_hidden[rows]
         table = runner.req_to_slot[rows, :inp.max_kv] if k > 1 else None     # max_kv > L + k: every chain position
         for i in range(2, k + 1):
@@ -97,11 +98,12 @@ class EagleWorker(SpecWorker):
             token, q = self.propose(g, sb, salt=1 + i)
             drafts.append(token)
             qs.append(q)
-        drafts_t = torch.stack(drafts, dim=1)                                  # [B, k]
+        drafts_t = torch.stack(drafts, dim=1) if k else rows.new_zeros(batch, 0)     # [B, k]
         self.mark("draft", marks)
         _, attn, out, logits, emitted, n = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1),
                                                       capture_aux=self.needs_aux)
         self.mark("verify", marks)
+        # The head reads every verified row (fixed shape); a plain step (k == 0) still extends by one.
         features = out.aux_hidden if self.needs_aux else out.hidden
         g_all = self.head(emitted.reshape(-1), features, dataclasses.replace(attn, kv=self.draft_kv))
         pick = torch.arange(batch, device=dev)
@@ -111,4 +113,3 @@ class EagleWorker(SpecWorker):
         self.mark("extend", marks)
         self.phase_marks.append(marks)
         return runner.step_result(emitted, n, logits, sb)
-

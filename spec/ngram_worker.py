@@ -1,11 +1,7 @@
 """N-gram drafting: no draft model; the drafts are what followed the most recent earlier
 occurrence of the request's last few tokens (prompt lookup), found on the device.
 
-Per-row device token history, tokens[row, p] = the request's token at position p,
-valid for p <= kv_len[row] (the bonus sits at position kv_len). A prefill writes its
-chunk and, on the last chunk, the sampled token; a decode step writes its k+1
-emitted tokens at L+1..L+k+1 (only the first n+1 become valid; the rest lie past the
-valid end and are overwritten before they are read).
+The drafts come from the per-row token history on the device (spec.base.TokenHistory).
 
 A step for B decoding requests (k = num_steps; L = kv_len[row]; N = L+1 valid tokens):
 
@@ -22,7 +18,7 @@ from __future__ import annotations
 import torch
 
 
-from spec.base import SpecWorker
+from spec.base import SpecWorker, TokenHistory
 
 MATCH_LENGTHS = (3, 2, 1)      # suffix lengths tried, longest first
 
@@ -53,39 +49,34 @@ def ngram_drafts(history: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
 class NgramWorker(SpecWorker):
     def __init__(self, runner):
         super().__init__(runner, runner.args.num_steps)
-        width = runner.table_width                         # context + room for the steps in flight
-        self.tokens = torch.zeros(runner.num_rows, width, dtype=torch.long, device=runner.device.torch_device)
+        self.history = TokenHistory(runner)
 
     # ---- prefill -------------------------------------------------------------------
 
     def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
-        dev = input_ids.device
-        token_rows = inp.rows.to(dev).repeat_interleave(inp.q_lens.to(dev), output_size=input_ids.shape[0])
-        self.tokens[token_rows, attn.positions] = input_ids
+        self.history.write_prefill(inp, input_ids, attn.positions, sampled)
         if sampled.numel() == 0:
             return
         last_chunks = inp.draft_next < 0                                       # host: the sequences that sampled
-        rows = inp.rows[last_chunks].to(dev)
-        end = inp.kv_lens[last_chunks].to(dev)
-        self.kv_len[rows] = end
+        rows = inp.rows[last_chunks].to(sampled.device)
+        self.kv_len[rows] = inp.kv_lens[last_chunks].to(sampled.device)
         self.bonus[rows] = sampled
-        self.tokens[rows, end] = sampled
 
     # ---- one speculative step ------------------------------------------------------
 
     def decode_step(self, inp) -> tuple:
-        runner, k, sb = self.runner, self.k, inp.sampling
+        runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
-        width = min(inp.max_kv, self.tokens.shape[1])      # max_kv >= L+k+1 > every valid position
-        drafts = ngram_drafts(self.tokens[rows, :width], L + 1, k)                 # [B, k]
+        tokens = self.history.tokens
+        width = min(inp.max_kv, tokens.shape[1])           # max_kv >= L+k+1 > every valid position
+        drafts = ngram_drafts(tokens[rows, :width], L + 1, k)                      # [B, k]
         self.mark("draft", marks)
         vocab = self.runner.vocab_size
         one_hot = lambda: torch.zeros(batch, k, vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)  # noqa: E731
         _, _, _, logits, emitted, n = self.verify(inp, rows, L, drafts, one_hot)
         pick = torch.arange(batch, device=dev)
-        positions = (L[:, None] + 1 + torch.arange(k + 1, device=dev)).clamp(max=self.tokens.shape[1] - 1)
-        self.tokens[rows[:, None], positions] = emitted
+        self.history.write_step(rows, L, emitted)
         self.kv_len[rows] = L + n + 1
         self.bonus[rows] = emitted[pick, n]
         self.mark("verify", marks)

@@ -3,20 +3,22 @@ on the stream, with fixed shapes.
 
 The draft is an ordinary LM (draft position t reads token t) with its own KV cache,
 indexed by the same slot table as the target. A step for B decoding requests
-(k = num_steps; L = kv_len[row]; b = bonus[row]; c = prev[row], the token at L-1):
+(k = inp.chain; L = kv_len[row]; b = bonus[row]; lag = plain steps the draft skipped):
 
-  draft    forward 1 reads [c, b] at positions L-1, L and proposes d_1;
-           forward i = 2..k reads d_{i-1} at L+i-1 and proposes d_i    (k forwards)
+  draft    forward 1 reads the history at positions L-1-lag .. L (its last token is b)
+           and proposes d_1; forward i = 2..k reads d_{i-1} at L+i-1 and proposes d_i
   verify   the target reads [b, d_1..d_k] at positions L..L+k         (one forward of B*(k+1) rows)
   accept   n leading drafts match; emitted = the n drafts + the target's token after them
-  state    kv_len += n+1, bonus = emitted_n, prev = the verify input at row n (token at L+n)
+  state    kv_len += n+1, bonus = emitted_n, the history gets the emitted tokens
 
-Invariant at the start of a step: the draft KV holds the request's tokens at every
-position < L-1. Forwards fed b, d_1..d_{k-1} at L..L+k-1, and the accepted tokens at
-L..L+n are exactly b, d_1..d_n, so after acceptance positions < L+n are right; when
-n == k, position L+k (d_k) was never fed. Re-reading c at L-1 in the next step's
-first forward covers both cases without the CPU knowing n (a correct entry is just
-rewritten). A prefill runs the draft over the same chunk, leaving positions < L right.
+Invariant at the start of a drafting step: the draft KV holds the request's tokens at
+every position < L-1-lag. Forwards fed b, d_1..d_{k-1} at L..L+k-1, and the accepted
+tokens at L..L+n are exactly b, d_1..d_n, so after acceptance positions < L+n are right;
+when n == k, position L+k (d_k) was never fed. Re-reading the token at L-1 in the next
+step's first forward covers both cases without the CPU knowing n (a correct entry is
+just rewritten). A plain step (k == 0, under load) runs no draft and emits exactly one
+token, so the CPU knows how far each draft lags (SeqWork.draft_lag). A prefill runs the
+draft over the same chunk, leaving positions < L right.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 from engine.models.attention import build_attention_batch, chain_step_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import SpecWorker
+from spec.base import SpecWorker, TokenHistory
 
 
 class StandaloneWorker(SpecWorker):
@@ -40,7 +42,7 @@ class StandaloneWorker(SpecWorker):
             raise ValueError(f"draft model {path} has vocab_size {config.vocab_size}, the target "
                              f"{runner.args.model_path} has {runner.vocab_size}: a standalone draft must "
                              f"share the target's tokenizer")
-        self.prev = torch.zeros(runner.num_rows, dtype=torch.long, device=dev)
+        self.history = TokenHistory(runner)
 
     def draft_kv_layout(self) -> tuple[int, int, int]:
         return self.draft.kv_layout()
@@ -59,42 +61,47 @@ class StandaloneWorker(SpecWorker):
 
     def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
         self.draft(input_ids, dataclasses.replace(attn, kv=self.draft_kv))
+        self.history.write_prefill(inp, input_ids, attn.positions, sampled)
         if sampled.numel() == 0:
             return
-        dev = sampled.device
         last_chunks = inp.draft_next < 0                                       # host: the sequences that sampled
-        last_token = (torch.cumsum(inp.q_lens, 0) - 1)[last_chunks].to(dev)
-        rows = inp.rows[last_chunks].to(dev)
-        self.kv_len[rows] = inp.kv_lens[last_chunks].to(dev)
+        rows = inp.rows[last_chunks].to(sampled.device)
+        self.kv_len[rows] = inp.kv_lens[last_chunks].to(sampled.device)
         self.bonus[rows] = sampled
-        self.prev[rows] = input_ids[last_token]
 
     # ---- one speculative step ------------------------------------------------------
 
+    def catch_up(self, inp, rows: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+        """Draft forward over positions L-1-lag .. L of every row; the draft's output at L [B, H]."""
+        runner, dev = self.runner, rows.device
+        q_lens = inp.draft_lag.to(dev) + 2
+        max_q = int(inp.draft_lag.max()) + 2 if inp.draft_lag.numel() else 2      # host tensor: no sync
+        attn = build_attention_batch(q_lens, L + 1, rows, runner.req_to_slot, max_q, inp.max_kv, self.draft_kv)
+        token_rows = rows.repeat_interleave(q_lens, output_size=attn.positions.shape[0])
+        out = self.draft(self.history.tokens[token_rows, attn.positions], attn)
+        return out.hidden[torch.cumsum(q_lens, 0) - 1]
+
     def decode_step(self, inp) -> tuple:
-        runner, k, sb = self.runner, self.k, inp.sampling
+        runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
-        ones = torch.ones_like(rows)
-        bonus = self.bonus[rows]
-        first_ids = torch.stack([self.prev[rows], bonus], dim=1).reshape(-1)
-        attn = build_attention_batch(ones * 2, L + 1, rows, runner.req_to_slot, 2, inp.max_kv, self.draft_kv)
-        hidden = self.draft(first_ids, attn).hidden.view(batch, 2, -1)[:, 1]
-        token, q = self.propose(hidden, sb, salt=1)
-        drafts, qs = [token], [q]
-        table = runner.req_to_slot[rows, :inp.max_kv] if k > 1 else None     # max_kv > L + k: every chain position
-        for i in range(2, k + 1):
-            attn = chain_step_batch(L + (i - 1), table, self.draft_kv)
-            token, q = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)
-            drafts.append(token)
-            qs.append(q)
-        drafts_t = torch.stack(drafts, dim=1)                                  # [B, k]
+        drafts, qs = [], []
+        if k:
+            token, q = self.propose(self.catch_up(inp, rows, L), sb, salt=1)
+            drafts, qs = [token], [q]
+            table = runner.req_to_slot[rows, :inp.max_kv] if k > 1 else None  # max_kv > L + k: every chain position
+            for i in range(2, k + 1):
+                attn = chain_step_batch(L + (i - 1), table, self.draft_kv)
+                token, q = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)
+                drafts.append(token)
+                qs.append(q)
+        drafts_t = torch.stack(drafts, dim=1) if k else rows.new_zeros(batch, 0)     # [B, k]
         self.mark("draft", marks)
-        verify_ids, _, _, logits, emitted, n = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1))
+        _, _, _, logits, emitted, n = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1))
         pick = torch.arange(batch, device=dev)
+        self.history.write_step(rows, L, emitted)
         self.kv_len[rows] = L + n + 1
         self.bonus[rows] = emitted[pick, n]
-        self.prev[rows] = verify_ids[pick, n]
         self.mark("verify", marks)
         self.phase_marks.append(marks)
         return runner.step_result(emitted, n, logits, sb)

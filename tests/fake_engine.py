@@ -69,9 +69,9 @@ class FakeEngine(EngineClient):
         self.active: set[str] = set()
         self._aborted: set[str] = set()
         self.stats = [RankStats(rank=0, running=2, waiting=1, kv_used=100, kv_total=1000, steps=50,
-                                hidden_cpu_fraction=0.8, retractions=1, spec_accept_len=2.0),
+                                hidden_cpu_fraction=0.8, retractions=1, spec_accept_len=2.0, spec_off_steps=4),
                       RankStats(rank=1, running=3, waiting=0, kv_used=50, kv_total=1000, steps=70,
-                                hidden_cpu_fraction=0.6, retractions=0, spec_accept_len=3.0)]
+                                hidden_cpu_fraction=0.6, retractions=0, spec_accept_len=3.0, spec_off_steps=3)]
 
     def script_text(self, tokenizer, text: str, eos: bool = True) -> None:
         self.script = tokenizer.encode(text, add_special_tokens=False) + ([self.eos_id] if eos else [])

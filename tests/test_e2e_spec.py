@@ -72,6 +72,23 @@ async def test_moe_speculation_is_lossless(algorithm, overlap, prompts, moe_refe
     assert [t for t, _ in results] == moe_reference
 
 
+@pytest.mark.parametrize("algorithm", list(SPEC))
+async def test_speculation_switches_off_under_load_and_stays_lossless(algorithm, prompts, reference):
+    """--speculative-disable-by-batch-size 5 with 10 requests of 4..40 tokens: plain steps while
+    5+ decode, drafting again as they finish; outputs stay greedy's and the metrics say so."""
+    params = [SamplingParams(max_new_tokens=4 + 4 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    flags = ["--model-path", str(DENSE), *SPEC[algorithm], "--speculative-disable-by-batch-size", "5"]
+    async with engine(flags) as client:
+        results = await run_batch(client, prompts, params)
+        for _ in range(50):
+            stats = client.rank_stats()
+            if stats and stats[0].running == 0:
+                break
+            await asyncio.sleep(0.2)
+    assert [t for t, _ in results] == [ref[:p.max_new_tokens] for ref, p in zip(reference, params)]
+    assert stats[0].spec_off_steps > 0 and stats[0].spec_steps > 0
+
+
 async def test_max_tokens_exact_and_stops_cut_inside_accepted_runs(prompts, reference):
     async with engine(["--model-path", str(DENSE), *SPEC["eagle"]]) as client:
         for n in (1, 2, 3, 5, 7, 11):

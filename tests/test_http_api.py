@@ -477,7 +477,7 @@ async def test_metrics(start):
     assert m["tandem_num_running_reqs"] == 5 and m["tandem_num_waiting_reqs"] == 1
     assert (m["tandem_kv_slots_used"], m["tandem_kv_slots_total"], m["tandem_steps_total"]) == (150, 2000, 120)
     assert m["tandem_hidden_cpu_fraction"] == pytest.approx(0.7) and m["tandem_retractions_total"] == 1
-    assert m["tandem_spec_accept_length"] == pytest.approx(2.5)
+    assert m["tandem_spec_accept_length"] == pytest.approx(2.5) and m["tandem_spec_off_steps_total"] == 7
 
 
 # ---- client disconnects ----------------------------------------------------------------

@@ -102,7 +102,8 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
     scheduler = Scheduler(SchedulerConfig(
         max_running_requests=args.max_running_requests, max_queued_requests=100,
         max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-        context_length=runner.context_length, future_slots=future_slots, spec_tokens=runner.spec_tokens),
+        context_length=runner.context_length, future_slots=future_slots, spec_tokens=runner.spec_tokens,
+        spec_off_batch_size=args.spec_off_batch_size),
         KVPool(runner.num_slots, args.page_size, runner.num_rows), eos_ids=frozenset())
     requests = []
     for i, (prompt, p) in enumerate(zip(prompts, params or [GREEDY] * len(prompts))):
@@ -179,6 +180,22 @@ def test_standalone_with_the_target_as_draft_accepts_every_draft(models, in_proc
     outputs, accepted, _ = generate_in_process(spec_flags(models, arch, "standalone", draft=arch), prompts, overlap)
     assert outputs == in_process_reference(arch, prompts)
     assert accepted and set(accepted) == {K}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_plain_steps_under_load_then_the_draft_catches_up(models, in_process_reference, overlap):
+    """--speculative-disable-by-batch-size 4: while 4+ requests decode, steps draft nothing
+    (accepted 0, one token each) and the draft model skips them; as requests finish, drafting
+    resumes and the draft first reads the tokens it missed. With the target as its own draft
+    every resumed draft must be accepted, so a wrong catch-up (positions, KV, lag) would show."""
+    prompts = mixed_prompts()
+    params = [SamplingParams(max_new_tokens=3 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    flags = spec_flags(models, "dense", "standalone", draft="dense") + ["--speculative-disable-by-batch-size", "4"]
+    outputs, accepted, _ = generate_in_process(flags, prompts, overlap, params=params)
+    reference = in_process_reference("dense", prompts)
+    assert outputs == [ref[:p.max_new_tokens] for ref, p in zip(reference, params)]
+    assert set(accepted) == {0, K}                      # plain steps, then fully accepted drafts
+    assert accepted.index(K) > accepted.index(0)        # drafting resumed after plain steps
 
 
 def test_ngram_accepts_drafts_on_repetitive_text(models, in_process_reference):

@@ -150,6 +150,40 @@ This checkpoint was produced by `{st.get('command', REPRO)}`.
 """
 
 
+def draft_card(name: str, s: dict) -> str:
+    st = s.get("draft-dense", {})
+    return f"""# {name}
+
+A small stand-alone draft model for `{st.get('target')}`: `--speculative-algorithm standalone`
+uses it by default when Tandem serves the embedded dense model. Same tokenizer, same
+`LlamaForCausalLM` layout as the target with {st.get('layers')} decoder layers (hidden 256, tied
+embeddings, {st.get('params')} parameters, bf16 `model.safetensors`); it loads with
+`AutoModelForCausalLM.from_pretrained` from this folder alone.
+
+## Training
+
+- initialised from the target's embeddings, first {st.get('layers')} decoder layers and final norm
+- distilled: soft cross-entropy against the frozen target's next-token distribution on random
+  windows of the train split (bf16 autocast), seed {st.get('seed')}
+- AdamW lr {st.get('lr')} warmup + cosine, batch {st.get('batch')} x {st.get('seq')}, {st.get('steps')} steps,
+  {st.get('tokens_seen')} tokens, {st.get('train_seconds')} s on a {_machine()}
+- final distillation loss {st.get('final_distill_loss')}
+
+## Evaluation
+
+Top-1 agreement with the target on held-out windows (fp32, the saved bf16 weights):
+**{st.get('heldout_top1_agreement')}**. Acceptance inside the server is reported by
+`bench/compare.py` (accept len column) and in the main README.
+
+## Reproduce
+
+```
+{REPRO} --stages draft-dense,cards
+```
+This checkpoint was produced by `{st.get('command', REPRO)}`.
+"""
+
+
 EAGLE_TEXT = """SGLang `LlamaForCausalLMEagle` layout (`config.json`: Llama config, `num_hidden_layers: 1`).
 Weights (no `model.` prefix): `fc.weight` [H, 2H], `fc.bias` [H],
 `layers.0.self_attn.{q,k,v,o}_proj.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`,
@@ -202,6 +236,7 @@ def write_all(models: Path, stats: dict) -> None:
         "tandem-dense-eagle": head_card("tandem-dense-eagle", stats, "eagle-dense", EAGLE_TEXT),
         "tandem-dense-eagle3": head_card("tandem-dense-eagle3", stats, "eagle3-dense", EAGLE3_TEXT),
         "tandem-moe-eagle": head_card("tandem-moe-eagle", stats, "eagle-moe", EAGLE_TEXT),
+        "tandem-dense-draft": draft_card("tandem-dense-draft", stats),
     }
     for name, text in cards.items():
         if (models / name).is_dir():

@@ -3,7 +3,7 @@
     python tools/train_tiny.py --out models
     python tools/train_tiny.py --out models --stages eagle-dense,eval,cards
 
-Stages: tokenizer, dense, moe, eagle-dense, eagle3-dense, eagle-moe, eval, cards.
+Stages: tokenizer, dense, moe, eagle-dense, eagle3-dense, eagle-moe, draft-dense, eval, cards.
 Each training stage stops at its step budget or its time budget (--minutes-*),
 whichever comes first; the cosine schedule follows the same progress measure.
 Intermediate data (token streams, stats) lives in --cache (default out/tiny).
@@ -25,7 +25,7 @@ import tiny_corpus  # noqa: E402
 from tiny_corpus import batches, lr_at  # noqa: E402
 from tiny_train_heads import train_head  # noqa: E402
 
-STAGES = ["tokenizer", "dense", "moe", "eagle-dense", "eagle3-dense", "eagle-moe", "eval", "cards"]
+STAGES = ["tokenizer", "dense", "moe", "eagle-dense", "eagle3-dense", "eagle-moe", "draft-dense", "eval", "cards"]
 SAMPLE_PROMPTS = [  # end mid-line: a trailing newline splits BPE's "\n + indent" tokens
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n    return',
     'import os\n\n\ndef list_python_files(path):\n    """Return the .py files under path."""\n    result = []\n    for',
@@ -201,6 +201,20 @@ def stage_head(args, stage: str):
     save_stats(args, stage, stats)
 
 
+def stage_draft(args):
+    """tandem-dense-draft: a 2-layer LM distilled from tandem-dense (standalone speculation)."""
+    from transformers import AutoModelForCausalLM
+    from tiny_train_draft import train_draft
+
+    target = AutoModelForCausalLM.from_pretrained(str(Path(args.out) / "tandem-dense"), dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    stats = train_draft(target, args, Path(args.out) / "tandem-dense-draft", args.minutes_draft_dense,
+                        args.steps_draft_dense, log)
+    stats.update(seed=args.seed, target="tandem-dense")
+    save_stats(args, "draft-dense", stats)
+
+
 def stage_eval(args):
     import eval_acceptance
 
@@ -242,7 +256,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny budgets for a smoke test")
     # (minutes, max steps) per stage; the first limit reached ends the stage
     budgets = {"dense": (33, 100000), "moe": (14, 100000), "eagle_dense": (10, 100000),
-               "eagle3_dense": (9, 100000), "eagle_moe": (12, 500)}
+               "eagle3_dense": (9, 100000), "eagle_moe": (12, 500), "draft_dense": (15, 100000)}
     for k, (m, s) in budgets.items():
         ap.add_argument(f"--minutes-{k.replace('_', '-')}", type=float, default=m)
         ap.add_argument(f"--steps-{k.replace('_', '-')}", type=int, default=s)
@@ -270,6 +284,8 @@ def main(argv=None):
             stage_target(args, stage)
         elif stage.startswith("eagle"):
             stage_head(args, stage)
+        elif stage == "draft-dense":
+            stage_draft(args)
         elif stage == "eval":
             stage_eval(args)
         elif stage == "cards":
