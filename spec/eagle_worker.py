@@ -92,7 +92,8 @@ class EagleWorker(SpecWorker):
         dev, batch = rows.device, rows.shape[0]
         drafts, qs = [self.draft_first[rows]][:k], [self.first_probs[rows]][:k]
         g = self.draft_hidden[rows]
-        table = runner.req_to_slot[rows, :inp.max_kv] if k > 1 else None     # max_kv > L + k: every chain position
+        # the rows' slot table, shared by the chain's steps (max_kv > L + k: every chain position)
+        table = runner.req_to_slot[:, :inp.max_kv].index_select(0, rows) if k > 1 else None
         for i in range(2, k + 1):
             g = self.head(drafts[-1], g, chain_step_batch(L + (i - 2), table, self.draft_kv))
             token, q = self.propose(g, sb, salt=1 + i)

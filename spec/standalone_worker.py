@@ -89,7 +89,8 @@ class StandaloneWorker(SpecWorker):
         if k:
             token, q = self.propose(self.catch_up(inp, rows, L), sb, salt=1)
             drafts, qs = [token], [q]
-            table = runner.req_to_slot[rows, :inp.max_kv] if k > 1 else None  # max_kv > L + k: every chain position
+            # the rows' slot table, shared by the chain's steps (max_kv > L + k: every chain position)
+            table = runner.req_to_slot[:, :inp.max_kv].index_select(0, rows) if k > 1 else None
             for i in range(2, k + 1):
                 attn = chain_step_batch(L + (i - 1), table, self.draft_kv)
                 token, q = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)
