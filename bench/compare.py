@@ -27,6 +27,8 @@ from bench import serving  # noqa: E402
 
 REPO = serving.REPO
 HIDDEN_CPU_GAUGE = "tandem_hidden_cpu_fraction"
+PHASE_COUNTER = "tandem_spec_phase_seconds_total"
+DRAFT_PHASES = ("draft", "extend")            # device time the draft model costs a speculative step
 
 
 class ServerFailed(RuntimeError):
@@ -127,21 +129,37 @@ def signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def scrape_gauge(url: str, name: str) -> float | None:
-    """Mean of a Prometheus gauge over its label sets, or None when absent."""
+def scrape(url: str, name: str) -> dict[str, float]:
+    """The samples of one Prometheus metric by label text ('' without labels); {} when absent."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
             text = response.read().decode(errors="replace")
     except OSError:
-        return None
-    values = []
+        return {}
+    samples = {}
     for line in text.splitlines():
         if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+            labels, _, value = line[len(name):].rpartition(" ")
             try:
-                values.append(float(line.rsplit(maxsplit=1)[-1]))
+                samples[labels.strip()] = float(value)
             except ValueError:
                 pass
+    return samples
+
+
+def scrape_gauge(url: str, name: str) -> float | None:
+    """Mean of a Prometheus gauge over its label sets, or None when absent."""
+    values = list(scrape(url, name).values())
     return statistics.fmean(values) if values else None
+
+
+def draft_share(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Share of a run's speculative device time spent in the draft model (draft + extend phases)."""
+    spent = {labels: after[labels] - before.get(labels, 0.0) for labels in after}
+    total = sum(spent.values())
+    if total <= 0:
+        return None
+    return sum(v for labels, v in spent.items() if any(f'"{p}"' in labels for p in DRAFT_PHASES)) / total
 
 
 # ---- rounds and the table ----------------------------------------------------------
@@ -162,8 +180,10 @@ def run_rounds(args, servers: list[Server]) -> list[dict]:
         order = servers if round_index % 2 == 0 else servers[::-1]
         for server in order:
             for concurrency in args.max_concurrency:
+                phases = scrape(server.url, PHASE_COUNTER)
                 metrics = asyncio.run(serving.run_benchmark(bench_namespace(args, server.url, concurrency), verbose=False))
                 metrics["hidden_cpu_fraction"] = scrape_gauge(server.url, HIDDEN_CPU_GAUGE)
+                metrics["draft_share"] = draft_share(phases, scrape(server.url, PHASE_COUNTER))
                 rows[server.name, concurrency]["runs"].append(metrics)
                 print(f"round {round_index + 1}/{args.rounds}  {server.name:<16} concurrency {concurrency:<4} "
                       f"{metrics['output_throughput']:8.1f} tok/s  TPOT {fmt(metrics['mean_tpot_ms'])} ms  "
@@ -202,7 +222,7 @@ COLUMNS = [("output tok/s", "output_throughput"), ("mean TPOT ms", "mean_tpot_ms
 def print_table(rows: list[dict], names: list[str], rounds: int) -> None:
     print(f"\nMedians over {rounds} round(s); ratios are to {names[0]!r}.")
     header = f"{'config':<16}{'conc':>5}" + "".join(f"{t:>20}" for t, _ in COLUMNS)
-    header += f"{'accept len':>12}{'hidden CPU':>12}{'failed':>8}"
+    header += f"{'accept len':>12}{'draft share':>13}{'hidden CPU':>12}{'failed':>8}"
     print(header)
     print("-" * len(header))
     for concurrency in sorted({r["max_concurrency"] for r in rows}):
@@ -211,7 +231,8 @@ def print_table(rows: list[dict], names: list[str], rounds: int) -> None:
         for name in names:
             m = group[name]
             line = f"{name:<16}{concurrency:>5}" + "".join(f"{with_ratio(m[k], base[k]):>20}" for _, k in COLUMNS)
-            line += f"{fmt(m['accept_length']):>12}{fmt(m['hidden_cpu_fraction']):>12}{m['failed_total']:>8}"
+            line += (f"{fmt(m['accept_length']):>12}{fmt(m['draft_share']):>13}{fmt(m['hidden_cpu_fraction']):>12}"
+                     f"{m['failed_total']:>8}")
             print(line)
 
 

@@ -90,7 +90,8 @@ class EagleWorker(SpecWorker):
         runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
-        drafts, qs = [self.draft_first[rows]][:k], [self.first_probs[rows]][:k]
+        drafts = [self.draft_first[rows]][:k]
+        qs = [None if sb.all_greedy else self.first_probs[rows]][:k]       # q only matters when sampling
         g = self.draft_hidden[rows]
         # the rows' slot table, shared by the chain's steps (max_kv > L + k: every chain position)
         table = runner.req_to_slot[:, :inp.max_kv].index_select(0, rows) if k > 1 else None

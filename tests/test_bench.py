@@ -107,8 +107,13 @@ def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1) 
     async def health(_):
         return web.Response(text="ok")
 
+    scrapes = [0]
+
     async def metrics(_):
-        return web.Response(text="# TYPE tandem_hidden_cpu_fraction gauge\ntandem_hidden_cpu_fraction 0.75\n")
+        scrapes[0] += 1           # phase counters grow as a speculating server's would: draft 1/4 of the time
+        return web.Response(text="# TYPE tandem_hidden_cpu_fraction gauge\ntandem_hidden_cpu_fraction 0.75\n"
+                                 f'tandem_spec_phase_seconds_total{{phase="draft"}} {scrapes[0] * 0.5}\n'
+                                 f'tandem_spec_phase_seconds_total{{phase="verify"}} {scrapes[0] * 1.5}\n')
 
     app = web.Application()
     app.router.add_post("/generate", generate)
@@ -362,6 +367,7 @@ def test_compare_runs_rounds_and_stops_servers(tokenizer_dir, tmp_path):
     for row in rows:
         assert len(row["runs"]) == 2 and row["median"]["completed"] == 4
         assert row["median"]["hidden_cpu_fraction"] == pytest.approx(0.75)
+        assert row["median"]["draft_share"] == pytest.approx(0.25)
     fast = next(r for r in rows if r["config"] == "fast" and r["max_concurrency"] == 1)
     slow = next(r for r in rows if r["config"] == "slow" and r["max_concurrency"] == 1)
     assert slow["median"]["mean_tpot_ms"] > fast["median"]["mean_tpot_ms"]
