@@ -264,8 +264,8 @@ class Scheduler:
         batch.seqs.append(seq)
 
     def feed_spec(self, batch: ScheduledBatch, req: Request) -> None:
-        """One speculative step: its k+1 positions start where the device says."""
-        size = self.config.spec_tokens
+        """One speculative step: its chain+1 positions start where the device says."""
+        size = batch.chain + 1
         self.allocate(batch, req, req.kv_len + size)
         # The KV bound depends on timing (when earlier steps were processed); the step count does not.
         req.spec_steps_launched += 1
@@ -295,7 +295,7 @@ class Scheduler:
             if seq.spec:
                 req.spec_verify_ct += 1
                 if req.status is Status.RUNNING:
-                    self.give_back(req, self.config.spec_tokens - len(run))
+                    self.give_back(req, seq.q_len - len(run))
             for j, token in enumerate(run):
                 req.output_ids.append(token)
                 if out.logprobs is not None:
@@ -309,7 +309,7 @@ class Scheduler:
         return touched
 
     def give_back(self, req: Request, unused: int) -> None:
-        """A speculative step accepted fewer than k+1 tokens: lower the KV bound and return
+        """A speculative step accepted fewer than chain+1 tokens: lower the KV bound and return
         whole pages past it (no launched step writes there: the bound covers all in flight)."""
         req.kv_len -= unused
         keep = self.pool.pages_for(req.kv_len)
