@@ -13,7 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = str(REPO / "models" / "tandem-dense")
 DEFAULT_DRAFTS = {"eagle": str(REPO / "models" / "tandem-dense-eagle"),
-                  "eagle3": str(REPO / "models" / "tandem-dense-eagle3")}
+                  "eagle3": str(REPO / "models" / "tandem-dense-eagle3"),
+                  "standalone": str(REPO / "models" / "tandem-dense-draft")}
 SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
 # Chain length when --speculative-num-steps is not given. An n-gram draft costs a lookup, not a
 # forward, so a longer chain only pays for verify rows (bench/results/ngram_steps.txt).
@@ -57,7 +58,8 @@ class ServerArgs:
                                               "embedded model (or when a draft path is given), else none. "
                                               "SGLang's upper-case names are accepted.", SPEC_CHOICES)
     speculative_draft_model_path: str | None = flag(None, "Draft model folder (EAGLE / EAGLE-3 head, or a small LM for "
-                                                          "standalone); default: the embedded head of the embedded model.")
+                                                          "standalone); default for the embedded model: its EAGLE / "
+                                                          "EAGLE-3 head or its 2-layer draft (tandem-dense-draft).")
     speculative_num_steps: int | None = flag(None, "Draft tokens proposed per step (chain length); default: "
                                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_NUM_STEPS.items()) + ".")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")

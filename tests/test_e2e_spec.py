@@ -18,7 +18,7 @@ SPEC = {
     "eagle": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(REPO / "models/tandem-dense-eagle")],
     "eagle3": ["--speculative-algorithm", "eagle3", "--speculative-draft-model-path",
                str(REPO / "models/tandem-dense-eagle3")],
-    "standalone": ["--speculative-algorithm", "standalone", "--speculative-draft-model-path", str(MOE)],
+    "standalone": ["--speculative-algorithm", "standalone"],          # the embedded 2-layer draft
     "ngram": ["--speculative-algorithm", "ngram"],
 }
 MOE_SPEC = {

@@ -465,7 +465,8 @@ def test_head_with_unexpected_tensor_is_refused(llama_target, tmp_path):
 
 # ---------------------------------------------------------------------------- embedded checkpoints
 
-EMBEDDED = ["tandem-dense", "tandem-moe", "tandem-dense-eagle", "tandem-dense-eagle3", "tandem-moe-eagle"]
+EMBEDDED = ["tandem-dense", "tandem-moe", "tandem-dense-eagle", "tandem-dense-eagle3", "tandem-moe-eagle",
+            "tandem-dense-draft"]
 EMBEDDED += sorted({p.parent.name for p in (REPO / "models").glob("*/config.json")} - set(EMBEDDED))
 HEAD_ARCHITECTURES = {"LlamaForCausalLMEagle", "LlamaForCausalLMEagle3"}
 
