@@ -16,9 +16,10 @@ DEFAULT_DRAFTS = {"eagle": str(REPO / "models" / "tandem-dense-eagle"),
                   "eagle3": str(REPO / "models" / "tandem-dense-eagle3"),
                   "standalone": str(REPO / "models" / "tandem-dense-draft")}
 SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
-# Chain length when --speculative-num-steps is not given. An n-gram draft costs a lookup, not a
-# forward, so a longer chain only pays for verify rows (bench/results/ngram_steps.txt).
-DEFAULT_NUM_STEPS = {"eagle": 3, "eagle3": 3, "standalone": 3, "ngram": 7}
+# Chain length when --speculative-num-steps is not given, from the sweep in bench/results/chain_length.txt
+# (embedded dense model, concurrency 1 and 16). An n-gram draft costs a lookup, not a forward, so a
+# longer chain only pays for verify rows.
+DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # Batch size from which a decode step drafts nothing (0: never), from the concurrency sweeps in
 # the README: where speculation stops paying, plain steps are cheaper.
 DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 0, "ngram": 0}
