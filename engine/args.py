@@ -22,7 +22,7 @@ SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
 DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # Batch size from which a decode step drafts nothing (0: never), from the concurrency sweeps in
 # the README: where speculation stops paying, plain steps are cheaper.
-DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 0, "ngram": 0}
+DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 8, "ngram": 0}
 
 
 def flag(default, help: str, choices=None):
