@@ -115,8 +115,8 @@ class SpecWorker(ABC):
             target_probs = filtered_probs(logits.reshape(batch * (k + 1), vocab), expand(sb, k + 1))
             uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
             exponential = seeded_noise((batch, vocab), sb, runner.generator, dev, salt=21)
-            sampled, n_sampled = verify_sampled(drafts, draft_probs(), target_probs.view(batch, k + 1, vocab),
-                                                uniform, exponential)
+            q = draft_probs() if k else target_probs.new_zeros(batch, 0, vocab)    # a plain step has no drafts
+            sampled, n_sampled = verify_sampled(drafts, q, target_probs.view(batch, k + 1, vocab), uniform, exponential)
             emitted = torch.where(sb.greedy[:, None], emitted, sampled)
             n = torch.where(sb.greedy, n, n_sampled)
         return verify_ids, attn, out, logits, emitted, n

@@ -29,7 +29,8 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[to
 def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                    uniform: torch.Tensor, exponential: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """drafts [B, k]; draft_probs [B, k, V] (q of each draft token's step); target_probs
-    [B, k+1, V]; uniform [B, k] and exponential [B, V] noise. -> (emitted [B, k+1], n [B])."""
+    [B, k+1, V]; uniform [B, k] and exponential [B, V] noise. -> (emitted [B, k+1], n [B]).
+    k may be 0 (a plain step): the one token is then sampled from p."""
     batch, k = drafts.shape
     p_at = target_probs[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)     # p_{i-1}(d_i)
     q_at = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
@@ -37,7 +38,7 @@ def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs
     n = accepted_length(accept)
     rows = torch.arange(batch, device=drafts.device)
     p_last = target_probs[rows, n]                                           # [B, V]
-    q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, n]
+    q_next = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)[rows, n]
     residual = (p_last - q_next).clamp(min=0)
     residual_mass = residual.sum(-1, keepdim=True)
     # All accepted (n == k): q_next is 0, so residual is p. A rejection with zero residual mass

@@ -28,7 +28,8 @@ K = 3                       # --speculative-num-steps of every test here
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 BASE_FLAGS = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--context-length", "512",
-              "--chunked-prefill-size", "16", "--speculative-num-steps", str(K)]
+              "--chunked-prefill-size", "16", "--speculative-num-steps", str(K),
+              "--speculative-disable-by-batch-size", "0"]      # always draft, unless a test says otherwise
 
 
 # ---- checkpoints ---------------------------------------------------------------------
@@ -224,12 +225,14 @@ def test_retraction_and_recompute_stay_lossless(models, in_process_reference, al
     assert outputs == in_process_reference("dense", prompts)
 
 
+@pytest.mark.parametrize("off_at", [0, 4], ids=["always-draft", "plain-under-load"])
 @pytest.mark.parametrize("algorithm", ["standalone", "ngram"])
-def test_sampling_rows_do_not_disturb_greedy_rows(models, in_process_reference, algorithm):
+def test_sampling_rows_do_not_disturb_greedy_rows(models, in_process_reference, algorithm, off_at):
     prompts = mixed_prompts()
     sampled = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, ignore_eos=True)
     params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
-    outputs, accepted, _ = generate_in_process(spec_flags(models, "dense", algorithm), prompts, params=params)
+    flags = spec_flags(models, "dense", algorithm) + ["--speculative-disable-by-batch-size", str(off_at)]
+    outputs, accepted, _ = generate_in_process(flags, prompts, params=params)
     reference = in_process_reference("dense", prompts)
     assert [outputs[i] for i in range(0, 8, 2)] == [reference[i] for i in range(0, 8, 2)]
     assert all(len(o) == NEW_TOKENS and all(0 <= t < 512 for t in o) for o in outputs)
