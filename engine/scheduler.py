@@ -15,6 +15,8 @@ upper bound: each launched step adds k+1, each processed step gives back what it
 not accept, and the pages past the bound are returned. Prefill and speculative
 decode go in separate batches.
 
+A step drafts no more tokens than its requests can still emit (max_new_tokens, the
+context), and a request that must finish with the steps in flight is not fed again.
 Under load (a decode batch of at least `spec_off_batch_size` requests) a step drafts
 nothing: it verifies only the bonus token, i.e. it is a plain decode step that emits
 exactly one token. A draft model that skipped such steps catches up in the next
@@ -159,13 +161,13 @@ class Scheduler:
         if not (spec and self.prefill_ready()):
             decodes = [r for r in self.running if self.is_decoding(r)]
             self.make_room_for(decodes)
+            decodes = [r for r in decodes if r.status is Status.RUNNING]
             if spec:
-                batch.chain = self.chain_length(sum(r.status is Status.RUNNING for r in decodes))
+                decodes = [r for r in decodes if self.tokens_wanted(r) > 0]   # the rest finish with a step in flight
+                batch.chain = self.chain_length(decodes) if decodes else 0
             for req in decodes:
-                if req.status is Status.RUNNING:
-                    self.feed_spec(batch, req) if spec else self.feed(batch, req, 1)
+                self.feed_spec(batch, req) if spec else self.feed(batch, req, 1)
             if spec and batch.seqs:
-                self.spec_off_steps += batch.chain == 0
                 return batch
         budget = self.config.max_prefill_tokens
         for req in [r for r in self.running if not self.is_decoding(r)]:
@@ -181,10 +183,19 @@ class Scheduler:
             budget -= self.feed_chunk(batch, req, budget)
         return batch if batch.seqs else None
 
-    def chain_length(self, batch_size: int) -> int:
-        """Draft tokens per request for a speculative decode step of `batch_size` requests."""
+    def chain_length(self, decodes: list[Request]) -> int:
+        """Draft tokens per request for a speculative decode step: none under load, and never
+        more than the batch's requests can still use (max_new_tokens, context)."""
         off = self.config.spec_off_batch_size
-        return 0 if off and batch_size >= off else self.config.spec_tokens - 1
+        if off and len(decodes) >= off:
+            self.spec_off_steps += 1
+            return 0
+        return max(0, min(self.config.spec_tokens - 1, max(self.tokens_wanted(r) for r in decodes) - 1))
+
+    def tokens_wanted(self, req: Request) -> int:
+        """Most tokens the request can still emit, given that every step in flight emits at least one."""
+        return min(req.params.max_new_tokens - len(req.output_ids),
+                   self.config.context_length - req.known_len) - req.pending
 
     def prefill_ready(self) -> bool:
         """Speculation: run a prefill batch now (new or chunked prompts can make progress)."""

@@ -94,8 +94,8 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
 def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: bool = True,
                         params: list[SamplingParams] | None = None, max_steps: int = 2000):
     """Run the scheduler and model runner as the rank does (with overlap, batch N+1 is
-    scheduled and launched before batch N is processed). Returns the outputs, the accepted
-    draft counts of every row of every speculative step, and the retraction count."""
+    scheduled and launched before batch N is processed). Returns the outputs, (accepted drafts,
+    chain length) of every row of every speculative step in order, and the retraction count."""
     args = parse_args(BASE_FLAGS + flags)
     device = CpuDevice()
     future_slots = 2 * args.max_running_requests + 2
@@ -110,14 +110,14 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
     for i, (prompt, p) in enumerate(zip(prompts, params or [GREEDY] * len(prompts))):
         assert scheduler.add(f"r{i}", prompt, p) is None
         requests.append(scheduler.requests[f"r{i}"])
-    accepted: list[int] = []
+    drafted: list[tuple[int, int]] = []
 
     def launch(batch):
         inp = runner.prepare(batch)
         with torch.inference_mode():
             result = runner.speculative_step(inp) if inp.spec_decode else runner.forward_and_sample(inp)
         if inp.spec_decode:
-            accepted.extend(result[1].tolist())
+            drafted.extend((n, inp.chain) for n in result[1].tolist())
         return batch, result
 
     in_flight, steps = None, 0
@@ -135,7 +135,13 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
                 in_flight = None
     finally:
         device.close()
-    return [r.output_ids for r in requests], accepted, scheduler.retractions
+    return [r.output_ids for r in requests], drafted, scheduler.retractions
+
+
+def full_chains(steps: list[tuple[int, int]]) -> list[int]:
+    """Accepted drafts of the steps that drafted a whole chain (the last steps of a request draft
+    only what max_new_tokens leaves room for)."""
+    return [n for n, chain in steps if chain == K]
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +184,9 @@ def test_standalone_with_the_target_as_draft_accepts_every_draft(models, in_proc
     """Same weights for draft and target: any wrong draft KV (prefill chunks, the position
     re-read after a fully accepted step) would show up as a rejected draft."""
     prompts = mixed_prompts()
-    outputs, accepted, _ = generate_in_process(spec_flags(models, arch, "standalone", draft=arch), prompts, overlap)
+    outputs, steps, _ = generate_in_process(spec_flags(models, arch, "standalone", draft=arch), prompts, overlap)
     assert outputs == in_process_reference(arch, prompts)
-    assert accepted and set(accepted) == {K}
+    assert set(full_chains(steps)) == {K} and all(n == chain for n, chain in steps)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -192,23 +198,26 @@ def test_plain_steps_under_load_then_the_draft_catches_up(models, in_process_ref
     prompts = mixed_prompts()
     params = [SamplingParams(max_new_tokens=3 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
     flags = spec_flags(models, "dense", "standalone", draft="dense") + ["--speculative-disable-by-batch-size", "4"]
-    outputs, accepted, _ = generate_in_process(flags, prompts, overlap, params=params)
+    outputs, steps, _ = generate_in_process(flags, prompts, overlap, params=params)
     reference = in_process_reference("dense", prompts)
     assert outputs == [ref[:p.max_new_tokens] for ref, p in zip(reference, params)]
-    assert set(accepted) == {0, K}                      # plain steps, then fully accepted drafts
-    assert accepted.index(K) > accepted.index(0)        # drafting resumed after plain steps
+    assert all(n == chain for n, chain in steps)        # every draft accepted, after plain steps too
+    chains = [chain for _, chain in steps]
+    assert chains.index(K) > chains.index(0)            # drafting resumed after plain steps
 
 
 def test_ngram_accepts_drafts_on_repetitive_text(models, in_process_reference):
     prompts = [[11, 12, 13, 14, 15] * 7, [40, 41, 42] * 10 + [40], [7, 8] * 12]
-    outputs, accepted, _ = generate_in_process(spec_flags(models, "dense", "ngram"), prompts)
+    outputs, steps, _ = generate_in_process(spec_flags(models, "dense", "ngram"), prompts)
+    accepted = full_chains(steps)
     assert outputs == in_process_reference("dense", prompts)
     assert sum(accepted) / len(accepted) > 0.5          # > 1.5 tokens per verify step
 
 
 def test_noisy_standalone_draft_accepts_part_of_the_time(models, in_process_reference):
     prompts = mixed_prompts()
-    outputs, accepted, _ = generate_in_process(spec_flags(models, "dense", "standalone"), prompts)
+    outputs, steps, _ = generate_in_process(spec_flags(models, "dense", "standalone"), prompts)
+    accepted = full_chains(steps)
     assert outputs == in_process_reference("dense", prompts)
     assert 0 < sum(accepted) < K * len(accepted)
     assert set(accepted) == set(range(K + 1))           # rejections at every depth, and full acceptance
@@ -232,7 +241,8 @@ def test_sampling_rows_do_not_disturb_greedy_rows(models, in_process_reference, 
     sampled = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, ignore_eos=True)
     params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
     flags = spec_flags(models, "dense", algorithm) + ["--speculative-disable-by-batch-size", str(off_at)]
-    outputs, accepted, _ = generate_in_process(flags, prompts, params=params)
+    outputs, steps, _ = generate_in_process(flags, prompts, params=params)
+    accepted = [n for n, _ in steps]
     reference = in_process_reference("dense", prompts)
     assert [outputs[i] for i in range(0, 8, 2)] == [reference[i] for i in range(0, 8, 2)]
     assert all(len(o) == NEW_TOKENS and all(0 <= t < 512 for t in o) for o in outputs)
