@@ -15,8 +15,8 @@ upper bound: each launched step adds k+1, each processed step gives back what it
 not accept, and the pages past the bound are returned. Prefill and speculative
 decode go in separate batches.
 
-A step drafts no more tokens than its requests can still emit (max_new_tokens, the
-context), and a request that must finish with the steps in flight is not fed again.
+An all-greedy step drafts no more tokens than its requests can still emit (max_new_tokens,
+the context), and a request that must finish with the steps in flight is not fed again.
 Under load (a decode batch of at least `spec_off_batch_size` requests) a step drafts
 nothing: it verifies only the bonus token, i.e. it is a plain decode step that emits
 exactly one token. A draft model that skipped such steps catches up in the next
@@ -184,13 +184,17 @@ class Scheduler:
         return batch if batch.seqs else None
 
     def chain_length(self, decodes: list[Request]) -> int:
-        """Draft tokens per request for a speculative decode step: none under load, and never
-        more than the batch's requests can still use (max_new_tokens, context)."""
-        off = self.config.spec_off_batch_size
+        """Draft tokens per request for a speculative decode step: none under load, and, for an
+        all-greedy batch, never more than its requests can still use (max_new_tokens, context).
+        The cap depends on timing (what was processed when), so it is kept from sampling
+        batches: a seeded request must see the same chain lengths in every run."""
+        off, k = self.config.spec_off_batch_size, self.config.spec_tokens - 1
         if off and len(decodes) >= off:
             self.spec_off_steps += 1
             return 0
-        return max(0, min(self.config.spec_tokens - 1, max(self.tokens_wanted(r) for r in decodes) - 1))
+        if not all(r.params.greedy for r in decodes):
+            return k
+        return max(0, min(k, max(self.tokens_wanted(r) for r in decodes) - 1))
 
     def tokens_wanted(self, req: Request) -> int:
         """Most tokens the request can still emit, given that every step in flight emits at least one."""
