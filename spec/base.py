@@ -43,9 +43,8 @@ def normalize_algorithm(name: str | None) -> str:
 class SpecWorker(ABC):
     needs_aux = False          # the target must return EAGLE-3 aux hidden states
 
-    def __init__(self, runner: "ModelRunner", num_steps: int):
+    def __init__(self, runner: "ModelRunner"):
         self.runner = runner
-        self.k = num_steps
         rows, dev = runner.num_rows, runner.device.torch_device
         self.kv_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.bonus = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -60,6 +59,15 @@ class SpecWorker(ABC):
         and the phase marks begun with "start"."""
         rows = inp.rows.to(self.runner.device.torch_device)
         return rows, self.kv_len[rows], [("start", self.runner.device.mark())]
+
+    def seed_sampled_rows(self, inp: "BatchInputs", sampled: torch.Tensor) -> torch.Tensor:
+        """After a prefill: the rows whose prompt is now complete (those that sampled) start
+        speculating at L = their prompt length with bonus = the sampled token. Returns the rows."""
+        last_chunks = inp.draft_next < 0                                       # host: the sequences that sampled
+        rows = inp.rows[last_chunks].to(sampled.device)
+        self.kv_len[rows] = inp.kv_lens[last_chunks].to(sampled.device)
+        self.bonus[rows] = sampled
+        return rows
 
     def take_phase_times(self) -> list[tuple[str, float]]:
         """(phase, seconds) of the oldest finished decode step; call once per finished step."""

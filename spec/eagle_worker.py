@@ -28,7 +28,7 @@ from spec.base import SpecWorker
 
 class EagleWorker(SpecWorker):
     def __init__(self, runner):
-        super().__init__(runner, runner.args.num_steps)
+        super().__init__(runner)
         dev = runner.device.torch_device
         self.head, _ = load_draft(runner.args.draft_model_path, runner.model, runner.dtype, dev)
         self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
@@ -70,18 +70,15 @@ class EagleWorker(SpecWorker):
         dev = sampled.device
         last = torch.cumsum(inp.q_lens.to(dev), 0) - 1                         # last token of each seq
         next_ids = torch.roll(input_ids, -1)
-        after = inp.draft_next.to(dev)
-        samples = after < 0
-        after = after.clone()
-        after[samples] = sampled                                               # sampling seqs = last chunks
+        samples = (inp.draft_next < 0).to(dev)         # known on the host: the sampling seqs are the last chunks
+        after = inp.draft_next.to(dev, copy=True)       # copy: inp.draft_next itself stays the host's record
+        after[samples] = sampled
         next_ids[last] = after
         features = out.aux_hidden if self.needs_aux else out.hidden
         g_all = self.head(next_ids, features, dataclasses.replace(attn, kv=self.draft_kv))
-        if not bool(samples.any()):
+        if sampled.numel() == 0:
             return
-        rows = inp.rows.to(dev)[samples]
-        self.kv_len[rows] = inp.kv_lens.to(dev)[samples]
-        self.bonus[rows] = sampled
+        rows = self.seed_sampled_rows(inp, sampled)
         self.seed_rows(rows, g_all[last[samples]], inp.sampling, salt=1)
 
     # ---- one speculative step ------------------------------------------------------

@@ -3,7 +3,7 @@ occurrence of the request's last few tokens (prompt lookup), found on the device
 
 The drafts come from the per-row token history on the device (spec.base.TokenHistory).
 
-A step for B decoding requests (k = num_steps; L = kv_len[row]; N = L+1 valid tokens):
+A step for B decoding requests (k = inp.chain; L = kv_len[row]; N = L+1 valid tokens):
 
   draft    for m = 3, 2, 1: the latest start j <= N-1-m with tokens[j:j+m] equal to the last
            m tokens; the longest m that matches wins. With f = j+m and period p = N-f, propose
@@ -48,7 +48,7 @@ def ngram_drafts(history: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
 
 class NgramWorker(SpecWorker):
     def __init__(self, runner):
-        super().__init__(runner, runner.args.num_steps)
+        super().__init__(runner)
         self.history = TokenHistory(runner)
 
     # ---- prefill -------------------------------------------------------------------
@@ -57,10 +57,7 @@ class NgramWorker(SpecWorker):
         self.history.write_prefill(inp, input_ids, attn.positions, sampled)
         if sampled.numel() == 0:
             return
-        last_chunks = inp.draft_next < 0                                       # host: the sequences that sampled
-        rows = inp.rows[last_chunks].to(sampled.device)
-        self.kv_len[rows] = inp.kv_lens[last_chunks].to(sampled.device)
-        self.bonus[rows] = sampled
+        self.seed_sampled_rows(inp, sampled)
 
     # ---- one speculative step ------------------------------------------------------
 

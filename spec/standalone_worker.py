@@ -34,7 +34,7 @@ from spec.base import SpecWorker, TokenHistory
 
 class StandaloneWorker(SpecWorker):
     def __init__(self, runner):
-        super().__init__(runner, runner.args.num_steps)
+        super().__init__(runner)
         dev = runner.device.torch_device
         path = runner.args.draft_model_path
         self.draft, config = load_model(path, runner.dtype, dev)
@@ -64,10 +64,7 @@ class StandaloneWorker(SpecWorker):
         self.history.write_prefill(inp, input_ids, attn.positions, sampled)
         if sampled.numel() == 0:
             return
-        last_chunks = inp.draft_next < 0                                       # host: the sequences that sampled
-        rows = inp.rows[last_chunks].to(sampled.device)
-        self.kv_len[rows] = inp.kv_lens[last_chunks].to(sampled.device)
-        self.bonus[rows] = sampled
+        self.seed_sampled_rows(inp, sampled)
 
     # ---- one speculative step ------------------------------------------------------
 

@@ -164,6 +164,13 @@ def lr_at(base: float, step: int, progress: float, warmup: int) -> float:
     return base * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def optimizer_step(params, opt: torch.optim.Optimizer) -> None:
+    """Clip the gradient norm to 1, step, and clear the gradients (every training loop here)."""
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def batches(stream: torch.Tensor, batch: int, seq: int, seed: int):
     """Endless random windows of ``seq`` tokens from a token stream."""
     gen = torch.Generator().manual_seed(seed)

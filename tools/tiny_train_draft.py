@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import tiny_corpus
-from tiny_corpus import batches, lr_at
+from tiny_corpus import batches, lr_at, optimizer_step
 
 DRAFT_LAYERS = 2
 LR = 1e-3
@@ -70,9 +70,7 @@ def train_draft(target, args, folder: Path, minutes: float, max_steps: int, log)
             logits = draft(input_ids=x).logits.float()
         loss = -(teacher * F.log_softmax(logits, -1)).sum(-1).mean()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(draft.parameters(), opt)
         step += 1
         if step % args.log_every == 0 or step == 1:
             el = time.time() - t0

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tiny_corpus import batches, lr_at
+from tiny_corpus import batches, lr_at, optimizer_step
 from tiny_heads import Eagle3Head, EagleHead, target_features
 
 UNROLL = 3
@@ -130,9 +130,7 @@ def train_head(kind, target, stream, folder, args, minutes, max_steps, log) -> d
         x = next(data)
         loss, accs = unrolled_loss(kind, head, x, target)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(params, opt)
         step, tok = step + 1, tok + x.numel()
         ema = accs if ema is None else [0.95 * e + 0.05 * a for e, a in zip(ema, accs)]
         if step % args.log_every == 0 or step == 1:

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_corpus  # noqa: E402
-from tiny_corpus import batches, lr_at  # noqa: E402
+from tiny_corpus import batches, lr_at, optimizer_step  # noqa: E402
 from tiny_train_heads import train_head  # noqa: E402
 
 STAGES = ["tokenizer", "dense", "moe", "eagle-dense", "eagle3-dense", "eagle-moe", "draft-dense", "eval", "cards"]
@@ -90,9 +90,7 @@ def train_target(model, stream, args, minutes: float, max_steps: int, moe: bool)
             extra = {"output_router_logits": True} if moe else {}
             loss = model(input_ids=x, labels=x, **extra).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(model.parameters(), opt)
         step += 1
         if step % args.log_every == 0 or step == 1:
             el = time.time() - t0
