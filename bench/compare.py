@@ -186,7 +186,7 @@ def run_rounds(args, servers: list[Server]) -> list[dict]:
                 metrics["draft_share"] = draft_share(phases, scrape(server.url, PHASE_COUNTER))
                 rows[server.name, concurrency]["runs"].append(metrics)
                 print(f"round {round_index + 1}/{args.rounds}  {server.name:<16} concurrency {concurrency:<4} "
-                      f"{metrics['output_throughput']:8.1f} tok/s  TPOT {fmt(metrics['mean_tpot_ms'])} ms  "
+                      f"{metrics['output_throughput']:8.1f} tok/s  decode {fmt(metrics['decode_throughput_per_request'], '.1f')} tok/s/req  TPOT {fmt(metrics['mean_tpot_ms'])} ms  "
                       f"{metrics['failed']} failed", flush=True)
     for row in rows.values():
         row["median"] = medians(row["runs"])
@@ -215,7 +215,8 @@ def with_ratio(value, base) -> str:
     return f"{value:.2f}{ratio}"
 
 
-COLUMNS = [("output tok/s", "output_throughput"), ("mean TPOT ms", "mean_tpot_ms"),
+COLUMNS = [("output tok/s", "output_throughput"), ("decode tok/s/req", "decode_throughput_per_request"),
+           ("mean TPOT ms", "mean_tpot_ms"),
            ("median TPOT ms", "median_tpot_ms"), ("mean TTFT ms", "mean_ttft_ms")]
 
 

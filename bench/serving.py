@@ -386,7 +386,8 @@ def accept_length(ok: list[RequestResult]) -> float | None:
 
 def summarize(args, results: list[RequestResult], duration: float) -> dict:
     ok = [r for r in results if r.success]
-    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    decoding = [r for r in ok if r.output_len > 1]
+    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in decoding]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
     duration = max(duration, 1e-9)
@@ -398,6 +399,10 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
         "duration": duration, "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration, "input_throughput": total_in / duration,
         "output_throughput": total_out / duration,
+        # a stream's decode speed: tokens after the first over the time from the first to the last
+        "decode_throughput_per_request": (sum(r.output_len - 1 for r in decoding)
+                                          / max(sum(r.latency - r.ttft for r in decoding), 1e-9)
+                                          if decoding else None),
     }
     metrics |= stats("ttft", [r.ttft for r in ok])
     metrics |= stats("tpot", tpots)
@@ -427,6 +432,7 @@ def print_summary(m: dict) -> None:
     row("Request throughput (req/s):", m["request_throughput"])
     row("Input token throughput (tok/s):", m["input_throughput"])
     row("Output token throughput (tok/s):", m["output_throughput"])
+    row("Decode tok/s per request:", m["decode_throughput_per_request"])
     row("Concurrency:", m["concurrency"])
     if m["accept_length"] is not None:
         row("Accept length:", m["accept_length"])

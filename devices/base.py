@@ -32,6 +32,10 @@ class Launched:
 class Device(ABC):
     name: str
     collective_backend: str
+    # Work on the stream may read tensor values on the host and size what follows by them, at no
+    # cost: true on the CPU (its tensors are host memory, nothing is captured in a graph). On
+    # CUDA/NPU such a read would wait for the device, so steps keep fixed shapes there.
+    free_host_reads = False
 
     @property
     @abstractmethod

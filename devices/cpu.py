@@ -17,6 +17,7 @@ from devices.base import Device, Launched, now
 class CpuDevice(Device):
     name = "cpu"
     collective_backend = "gloo"
+    free_host_reads = True
 
     def __init__(self, index: int = 0):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-stream")

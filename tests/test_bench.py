@@ -27,7 +27,8 @@ from bench import serving  # noqa: E402
 
 METRIC_KEYS = [
     "completed", "failed", "failure_reasons", "duration", "total_input_tokens", "total_output_tokens",
-    "request_throughput", "input_throughput", "output_throughput", "concurrency", "accept_length",
+    "request_throughput", "input_throughput", "output_throughput", "decode_throughput_per_request", "concurrency",
+    "accept_length",
 ] + [f"{s}_{k}_ms" for k in ("ttft", "tpot", "itl", "e2e_latency") for s in ("mean", "median", "p90", "p99")]
 
 
@@ -214,6 +215,8 @@ def check_sane(m: dict, num_prompts: int) -> None:
         assert m["p99_ttft_ms"] <= m["p99_e2e_latency_ms"]
         assert m["request_throughput"] > 0 and m["output_throughput"] > 0 and m["input_throughput"] > 0
         assert m["concurrency"] > 0
+        if m["decode_throughput_per_request"] is not None:     # tokens after the first / their time
+            assert 0.5 < m["decode_throughput_per_request"] * m["mean_tpot_ms"] / 1000 < 2.0
 
 
 # ---- (a) every backend path ------------------------------------------------------

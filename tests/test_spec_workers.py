@@ -20,7 +20,7 @@ from engine.kv_pool import KVPool
 from engine.messages import SamplingParams
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
-from spec.ngram_worker import ngram_drafts
+from spec.ngram_worker import SINGLE_TOKEN_MATCH_DRAFTS, ngram_drafts
 from tests.checkpoints import random_target
 from tests.engine_harness import engine, run_batch
 
@@ -92,10 +92,12 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
 # ---- an in-process rank loop, for worker-level checks -----------------------------------
 
 def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: bool = True,
-                        params: list[SamplingParams] | None = None, max_steps: int = 2000):
+                        params: list[SamplingParams] | None = None, max_steps: int = 2000,
+                        widths: list[int] | None = None):
     """Run the scheduler and model runner as the rank does (with overlap, batch N+1 is
     scheduled and launched before batch N is processed). Returns the outputs, (accepted drafts,
-    chain length) of every row of every speculative step in order, and the retraction count."""
+    chain length) of every row of every speculative step in order, and the retraction count;
+    `widths` gets the drafts each speculative step verified."""
     args = parse_args(BASE_FLAGS + flags)
     device = CpuDevice()
     future_slots = 2 * args.max_running_requests + 2
@@ -118,6 +120,8 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
             result = runner.speculative_step(inp) if inp.spec_decode else runner.forward_and_sample(inp)
         if inp.spec_decode:
             drafted.extend((n, inp.chain) for n in result[1].tolist())
+            if widths is not None:
+                widths.append(result[0].shape[1] - 1)
         return batch, result
 
     in_flight, steps = None, 0
@@ -166,14 +170,18 @@ def test_ngram_drafts_continue_the_latest_longest_match():
             ([2, 3, 7, 3, 8, 2, 3], [7, 3, 8]),          # the 2-token match wins over the later 1-token one
             ([5, 6, 9], [9, 9, 9]),                      # no earlier occurrence: repeat the last token
             ([4, 1, 2, 3, 5, 1, 2, 3], [5, 1, 2]),       # the latest of two occurrences
-            ([5, 6, 1, 2, 3, 1, 2, 3], [1, 2, 3])]       # garbage past the valid end is never matched
+            ([5, 6, 1, 2, 3, 1, 2, 3], [1, 2, 3]),       # garbage past the valid end is never matched
+            ([1, 5, 2, 5], [2, 5, 2])]                   # only the last token recurs: a 1-token match
     width = 12
     history = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, (tokens, _) in enumerate(rows):
         history[i, :len(tokens)] = torch.tensor(tokens)
     history[5, 8:11] = torch.tensor([1, 2, 3])
     valid = torch.tensor([len(tokens) for tokens, _ in rows])
-    assert ngram_drafts(history, valid, 3).tolist() == [want for _, want in rows]
+    drafts, _ = ngram_drafts(history, valid, 3)
+    assert drafts.tolist() == [want for _, want in rows]
+    _, worth = ngram_drafts(history, valid, 6)
+    assert worth.tolist() == [6, 6, 6, 0, 6, 6, SINGLE_TOKEN_MATCH_DRAFTS]     # by the length of the match
 
 
 # ---- worker-level: acceptance --------------------------------------------------------
@@ -212,6 +220,25 @@ def test_ngram_accepts_drafts_on_repetitive_text(models, in_process_reference):
     accepted = full_chains(steps)
     assert outputs == in_process_reference("dense", prompts)
     assert sum(accepted) / len(accepted) > 0.5          # > 1.5 tokens per verify step
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_ngram_verifies_only_the_drafts_worth_checking(models, in_process_reference, sampling):
+    """On the CPU a greedy step verifies, of its k = 6 drafts, as many as its best row is worth:
+    none without a match, SINGLE_TOKEN_MATCH_DRAFTS after a 1-token match, k after a longer one;
+    the output stays that of no speculation. A step with sampling rows verifies all k."""
+    prompts = [list(range(100, 160))]                       # no token recurs in the prompt
+    params = [SamplingParams(max_new_tokens=40, temperature=0.8, seed=5, ignore_eos=True) if sampling else GREEDY]
+    widths: list[int] = []
+    flags = spec_flags(models, "dense", "ngram") + ["--speculative-num-steps", "6"]
+    outputs, steps, _ = generate_in_process(flags, prompts, params=params, widths=widths)
+    full = [w for w, (_, chain) in zip(widths, steps) if chain == 6]
+    if sampling:
+        assert set(full) == {6}
+        return
+    assert outputs == in_process_reference("dense", prompts)
+    assert set(full) <= {0, SINGLE_TOKEN_MATCH_DRAFTS, 6} and 0 in full and len(set(full)) > 1
+    assert all(n <= w for (n, _), w in zip(steps, widths))
 
 
 def test_noisy_standalone_draft_accepts_part_of_the_time(models, in_process_reference):
