@@ -241,6 +241,34 @@ def test_ngram_verifies_only_the_drafts_worth_checking(models, in_process_refere
     assert all(n <= w for (n, _), w in zip(steps, widths))
 
 
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_eagle_chain_ends_before_the_first_unconfident_draft(algorithm, sampling):
+    """The embedded target and heads, k = 5: on the CPU a greedy step stops drafting before the
+    first draft whose head probability is under DRAFT_CONFIDENCE in every row, so steps verify
+    0..5 drafts and the output stays that of no speculation. A step with sampling rows verifies all k."""
+    from transformers import AutoTokenizer
+    from tests.e2e_prompts import CODE_PROMPTS
+    repo = Path(__file__).resolve().parent.parent
+    target = repo / "models" / "tandem-dense"
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok.encode(CODE_PROMPTS[2])]
+    params = [SamplingParams(max_new_tokens=40, temperature=0.8, seed=5, ignore_eos=True) if sampling
+              else SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)]
+    flags = ["--model-path", str(target), "--speculative-algorithm", algorithm, "--speculative-num-steps", "5",
+             "--speculative-draft-model-path", str(repo / "models" / f"tandem-dense-{algorithm}")]
+    widths: list[int] = []
+    outputs, steps, _ = generate_in_process(flags, prompts, params=params, widths=widths)
+    full = [w for w, (_, chain) in zip(widths, steps) if chain == 5]
+    if sampling:
+        assert set(full) == {5}
+        return
+    reference = generate_in_process(["--model-path", str(target), "--speculative-algorithm", "none"], prompts,
+                                    params=params)[0]
+    assert outputs == reference
+    assert 5 in full and min(full) < 5 and all(n <= w for (n, _), w in zip(steps, widths))
+
+
 def test_noisy_standalone_draft_accepts_part_of_the_time(models, in_process_reference):
     prompts = mixed_prompts()
     outputs, steps, _ = generate_in_process(spec_flags(models, "dense", "standalone"), prompts)
