@@ -5,6 +5,11 @@ an awaitable future, memory queries and the collective backend name.
 tensors) on the stream and returns at once; awaiting the returned future gives
 `work`'s result once the device has finished it. The rank loop awaits without
 blocking, so the CPU schedules batch N+1 while the device executes batch N.
+
+`work` may return `Deferred(result, rest)`: the launch then resolves as soon as `result` is
+ready, and `rest` runs next on the stream, before anything launched later (a prefill's first
+token goes out while the draft model reads the prompt). An error in `rest` is raised by the
+next launch.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import asyncio
 import importlib
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -27,6 +33,14 @@ class Launched:
 
     def __await__(self):
         return self.future.__await__()
+
+
+@dataclass
+class Deferred:
+    """What a launched function returns to have `result` delivered before `rest` runs."""
+
+    result: Any
+    rest: Callable[[], None]
 
 
 class Device(ABC):

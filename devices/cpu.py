@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from devices.base import Device, Launched, now
+from devices.base import Deferred, Device, Launched, now
 
 
 class CpuDevice(Device):
@@ -21,6 +21,7 @@ class CpuDevice(Device):
 
     def __init__(self, index: int = 0):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-stream")
+        self.rest_error: BaseException | None = None    # from a Deferred's rest: the next launch raises it
 
     @property
     def torch_device(self) -> torch.device:
@@ -33,6 +34,9 @@ class CpuDevice(Device):
         def timed() -> None:
             launched.started = now()
             try:
+                if self.rest_error is not None:
+                    error, self.rest_error = self.rest_error, None
+                    raise error
                 with torch.inference_mode():
                     result = work()
             except BaseException as exc:      # delivered to whoever awaits the launch
@@ -40,7 +44,16 @@ class CpuDevice(Device):
                 loop.call_soon_threadsafe(_settle, launched.future, None, exc)
                 return
             launched.finished = now()
+            rest = None
+            if isinstance(result, Deferred):
+                result, rest = result.result, result.rest
             loop.call_soon_threadsafe(_settle, launched.future, result, None)
+            if rest is not None:
+                try:
+                    with torch.inference_mode():
+                        rest()
+                except BaseException as exc:
+                    self.rest_error = exc
 
         self.worker.submit(timed)
         return launched

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from devices.base import Device, Launched, now
+from devices.base import Deferred, Device, Launched, now
 
 
 class StreamDevice(Device):
@@ -33,6 +33,9 @@ class StreamDevice(Device):
             result = work()
             event = self.module.Event()
             event.record(self.stream)
+            if isinstance(result, Deferred):      # queued after the event: the result does not wait for it
+                result.rest()
+                result = result.result
         loop = asyncio.get_running_loop()
         launched = Launched(loop.create_future())
         launched.started = started

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from devices.base import Device, Launched
+from devices.base import Deferred, Device, Launched
 from engine.args import ServerArgs
 from engine.future_map import FutureMap
 from engine.models.attention import KVCache, build_attention_batch
@@ -146,9 +146,10 @@ class ModelRunner:
         sb = to_device(inp.sampling, dev)
         tokens = sample(logits, sb, self.generator)
         self.futures.store(put(inp.future_ids), tokens)
-        if self.spec:
-            self.spec.after_prefill(inp, input_ids, attn, out, tokens)
-        return self.step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb)
+        result = self.step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb)
+        if self.spec:       # the first tokens go out while the draft reads the prompt
+            return Deferred(result, lambda: self.spec.after_prefill(inp, input_ids, attn, out, tokens))
+        return result
 
     def speculative_step(self, inp: BatchInputs) -> tuple:
         self.update_table(inp)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from devices.base import create_device
+from devices.base import Deferred, create_device
 from engine.trace import OverlapMeter
 
 
@@ -42,6 +42,28 @@ async def test_cpu_stream_delivers_errors_to_the_awaiter():
     with pytest.raises(ValueError, match="kernel failed"):
         await device.launch(broken)
     assert await device.launch(lambda: 7) == 7          # the stream survives
+    device.close()
+
+
+async def test_cpu_stream_delivers_a_deferred_result_before_its_rest_runs():
+    device = create_device("cpu")
+    order = []
+
+    def rest(tag):
+        time.sleep(0.2)
+        order.append(tag)
+
+    first = device.launch(lambda: Deferred(1, lambda: rest("rest")))
+    second = device.launch(lambda: order.append("second") or 2)
+    assert await first == 1 and order == []                  # delivered while the rest still runs
+    assert await second == 2 and order == ["rest", "second"]   # later launches wait for the rest
+
+    def broken():
+        raise ValueError("draft failed")
+    await device.launch(lambda: Deferred(3, broken))
+    with pytest.raises(ValueError, match="draft failed"):     # the next launch reports it
+        await device.launch(lambda: 4)
+    assert await device.launch(lambda: 5) == 5
     device.close()
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from devices.base import Deferred
 from devices.cpu import CpuDevice
 from engine.args import parse_args
 from engine.kv_pool import KVPool
@@ -118,6 +119,9 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
         inp = runner.prepare(batch)
         with torch.inference_mode():
             result = runner.speculative_step(inp) if inp.spec_decode else runner.forward_and_sample(inp)
+            if isinstance(result, Deferred):          # a prefill's draft work, after its result
+                result.rest()
+                result = result.result
         if inp.spec_decode:
             drafted.extend((n, inp.chain) for n in result[1].tolist())
             if widths is not None:

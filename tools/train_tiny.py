@@ -254,7 +254,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny budgets for a smoke test")
     # (minutes, max steps) per stage; the first limit reached ends the stage
     budgets = {"dense": (33, 100000), "moe": (14, 100000), "eagle_dense": (50, 100000),
-               "eagle3_dense": (9, 100000), "eagle_moe": (12, 500), "draft_dense": (20, 100000)}
+               "eagle3_dense": (45, 100000), "eagle_moe": (12, 500), "draft_dense": (20, 100000)}
     for k, (m, s) in budgets.items():
         ap.add_argument(f"--minutes-{k.replace('_', '-')}", type=float, default=m)
         ap.add_argument(f"--steps-{k.replace('_', '-')}", type=int, default=s)
