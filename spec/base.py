@@ -105,21 +105,36 @@ class SpecWorker(ABC):
 
 
     def verify(self, inp: "BatchInputs", rows: torch.Tensor, L: torch.Tensor, drafts: torch.Tensor,
-               draft_probs: Callable[[], torch.Tensor], capture_aux: bool = False):
+               draft_probs: Callable[[], torch.Tensor], capture_aux: bool = False,
+               widths: torch.Tensor | None = None) -> "Verified":
         """The target reads [bonus, d_1..d_k] at positions L..L+k; accept greedily (or by rejection
-        sampling against draft_probs() [B, k, V] for sampling rows). Returns the verify inputs [B, k+1],
-        the AttentionBatch, the target's output, its logits [B, k+1, V], emitted [B, k+1] and n [B].
-        k = drafts.shape[1] may be 0: a plain decode step of the bonus token."""
+        sampling against draft_probs() [B, k, V] for sampling rows). k = drafts.shape[1] may be 0:
+        a plain decode step of the bonus token.
+
+        widths [B] (only where the device reads its tensors for free): row b verifies only its first
+        widths[b] drafts, so the forward reads sum(widths + 1) tokens instead of B * (k+1); sampling
+        rows must keep k. Results keep the [B, k+1] grid; nothing past a row's width is accepted."""
         runner, k, sb = self.runner, drafts.shape[1], inp.sampling
         batch, dev = rows.shape[0], rows.device
-        verify_ids = torch.cat([self.bonus[rows][:, None], drafts], dim=1)
-        attn = build_attention_batch(torch.full_like(rows, k + 1), L + k + 1, rows, runner.req_to_slot, k + 1,
-                                     inp.max_kv, runner.kv)
-        out = runner.model(verify_ids.reshape(-1), attn, capture_aux=capture_aux)
-        logits = runner.model.compute_logits(out.hidden).view(batch, k + 1, -1)
-        emitted, n = verify_greedy(drafts, logits)
+        verify_ids = torch.cat([self.bonus[rows][:, None], drafts], dim=1)               # [B, k+1]
+        grid = None
+        if widths is None or int(widths.min()) == k:
+            q_lens, tokens = torch.full_like(rows, k + 1), verify_ids.reshape(-1)
+            greedy_drafts = drafts
+        else:
+            q_lens = widths + 1
+            grid = (torch.arange(k + 1, device=dev)[None, :] < q_lens[:, None]).reshape(-1).nonzero().squeeze(1)
+            tokens = verify_ids.reshape(-1)[grid]
+            greedy_drafts = torch.where(torch.arange(k, device=dev)[None, :] < widths[:, None], drafts, -1)
+        attn = build_attention_batch(q_lens, L + q_lens, rows, runner.req_to_slot, k + 1, inp.max_kv, runner.kv)
+        out = runner.model(tokens, attn, capture_aux=capture_aux)
+        logits = runner.model.compute_logits(out.hidden)
+        vocab = logits.shape[-1]
+        if grid is not None:                       # back on the grid; rows past a width stay 0 (never accepted)
+            logits = logits.new_zeros(batch * (k + 1), vocab).index_copy_(0, grid, logits)
+        logits = logits.view(batch, k + 1, vocab)
+        emitted, n = verify_greedy(greedy_drafts, logits)
         if not sb.all_greedy:
-            vocab = logits.shape[-1]
             target_probs = filtered_probs(logits.reshape(batch * (k + 1), vocab), expand(sb, k + 1))
             uniform = seeded_noise((batch, k), sb, runner.generator, dev, kind="uniform", salt=20)
             exponential = seeded_noise((batch, vocab), sb, runner.generator, dev, salt=21)
@@ -127,7 +142,30 @@ class SpecWorker(ABC):
             sampled, n_sampled = verify_sampled(drafts, q, target_probs.view(batch, k + 1, vocab), uniform, exponential)
             emitted = torch.where(sb.greedy[:, None], emitted, sampled)
             n = torch.where(sb.greedy, n, n_sampled)
-        return verify_ids, attn, out, logits, emitted, n
+        return Verified(attn=attn, out=out, logits=logits, emitted=emitted, n=n, q_lens=q_lens)
+
+
+@dataclasses.dataclass
+class Verified:
+    """A verify forward: its AttentionBatch and output over the verified tokens (row b's q_lens[b]
+    tokens, flattened), the logits [B, k+1, V] and emitted tokens [B, k+1] on the grid, and the
+    accepted drafts n [B]."""
+
+    attn: "AttentionBatch"
+    out: "ModelOutput"
+    logits: torch.Tensor
+    emitted: torch.Tensor
+    n: torch.Tensor
+    q_lens: torch.Tensor
+
+    def flat_emitted(self) -> torch.Tensor:
+        """The emitted tokens in the forward's flattened order (row b: its first q_lens[b])."""
+        cols = torch.arange(self.emitted.shape[1], device=self.emitted.device)
+        return self.emitted[cols[None, :] < self.q_lens[:, None]]
+
+    def flat_index(self, cols: torch.Tensor) -> torch.Tensor:
+        """Where grid position (b, cols[b]) of each row sits in the flattened order."""
+        return torch.cumsum(self.q_lens, 0) - self.q_lens + cols
 
 
 class TokenHistory:

@@ -1,19 +1,19 @@
-"""EAGLE / EAGLE-3 chain drafting, on the stream, with fixed shapes.
+"""EAGLE / EAGLE-3 chain drafting, on the stream (fixed shapes where the device needs them).
 
 A step for B decoding requests (k = inp.chain: num_steps, or 0 for a plain step under load;
 L = kv_len[row]; b = bonus[row]):
 
   draft    d_1 comes from the previous extend; for i = 2..k the head reads (d_{i-1}, g)
            at position L+i-2 and proposes d_i                       (k-1 forwards of B rows)
-  trim     where the device reads its tensors for free (the CPU) and every row is greedy, the
-           chain ends before the first draft that no row's head gives probability
-           >= DRAFT_CONFIDENCE (d_1 included: then the step verifies the bonus alone), so
-           w <= k drafts are verified. Greedy output does not depend on w; sampled rows keep
-           k, so a seeded request does not depend on what it is batched with.
-  verify   the target reads [b, d_1..d_w] at positions L..L+w      (one forward of B*(w+1) rows)
+  trim     where the device reads its tensors for free (the CPU), a greedy row verifies its
+           drafts up to the first one its head gives probability < DRAFT_CONFIDENCE (w_b of
+           them), and the chain ends where no row verifies the next draft (before d_1: the step
+           verifies the bonus alone). Greedy output does not depend on w_b; sampled rows keep
+           k, so a seeded request does not depend on what it is batched with. Elsewhere w_b = k.
+  verify   the target reads [b, d_1..d_wb] at positions L..L+w_b   (one forward of sum(w_b+1) rows)
   accept   n leading drafts match; emitted = the n drafts + the target's token after them
-  extend   the head reads (emitted_i, f_i) at positions L..L+w for every row i (fixed shape),
-           and row n's output gives the next step's g and d_1
+  extend   the head reads (emitted_i, f_i) at positions L..L+w_b of every row, and row b's
+           output at position L+n gives the next step's g and d_1
   state    kv_len += n+1, bonus = emitted_n
 
 Draft position t reads token t+1 and the target's feature at t, so after a prefill of
@@ -109,9 +109,12 @@ class EagleWorker(SpecWorker):
         runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
-        trim = k > 0 and sb.all_greedy and self.trims
-        if trim and float(self.first_confidence[rows].max()) < DRAFT_CONFIDENCE:
-            k = 0                                                    # no row believes its first draft
+        trim = k > 0 and self.trims
+        if trim:
+            unsure = lambda confidence: (confidence < DRAFT_CONFIDENCE) & sb.greedy.to(dev)  # noqa: E731
+            kept = [~unsure(self.first_confidence[rows])]      # kept[i][b]: row b verifies d_(i+1)
+            if not bool(kept[0].any()):
+                k = 0                                           # no row believes its first draft
         drafts = [self.draft_first[rows]][:k]
         qs = [None if sb.all_greedy else self.first_probs[rows]][:k]       # q only matters when sampling
         g = self.draft_hidden[rows]
@@ -120,23 +123,27 @@ class EagleWorker(SpecWorker):
         for i in range(2, k + 1):
             g = self.head(drafts[-1], g, chain_step_batch(L + (i - 2), table, self.draft_kv))
             token, q, confidence = self.propose(g, sb, salt=1 + i)
-            if trim and float(confidence.max()) < DRAFT_CONFIDENCE:
-                break
+            if trim:
+                keep = kept[-1] & ~unsure(confidence)
+                if not bool(keep.any()):
+                    break                                       # no row verifies d_i: the chain ends
+                kept.append(keep)
             drafts.append(token)
             qs.append(q)
         drafts_t = torch.stack(drafts, dim=1) if drafts else rows.new_zeros(batch, 0)     # [B, w]
-        w = drafts_t.shape[1]
+        widths = torch.stack(kept, dim=1).sum(dim=1) if trim and drafts else None
         self.mark("draft", marks)
-        _, attn, out, logits, emitted, n = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1),
-                                                      capture_aux=self.needs_aux)
+        v = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1), capture_aux=self.needs_aux,
+                        widths=widths)
         self.mark("verify", marks)
-        # The head reads every verified row (fixed shape); a plain step (w == 0) still extends by one.
-        features = out.aux_hidden if self.needs_aux else out.hidden
-        g_all = self.head(emitted.reshape(-1), features, dataclasses.replace(attn, kv=self.draft_kv))
+        # The head reads every verified token (a plain step, w == 0, still extends by one) and row
+        # b's output at its last accepted position seeds the next step.
+        features = v.out.aux_hidden if self.needs_aux else v.out.hidden
+        g_all = self.head(v.flat_emitted(), features, dataclasses.replace(v.attn, kv=self.draft_kv))
+        self.seed_rows(rows, g_all[v.flat_index(v.n)], sb, salt=30)
         pick = torch.arange(batch, device=dev)
-        self.seed_rows(rows, g_all.view(batch, w + 1, -1)[pick, n], sb, salt=30)
-        self.kv_len[rows] = L + n + 1
-        self.bonus[rows] = emitted[pick, n]
+        self.kv_len[rows] = L + v.n + 1
+        self.bonus[rows] = v.emitted[pick, v.n]
         self.mark("extend", marks)
         self.phase_marks.append(marks)
-        return runner.step_result(emitted, n, logits, sb)
+        return runner.step_result(v.emitted, v.n, v.logits, sb)

@@ -9,13 +9,12 @@ A step for B decoding requests (k = inp.chain; L = kv_len[row]; N = L+1 valid to
            m tokens; the longest m that matches wins. With f = j+m and period p = N-f, propose
            tokens[f + (i mod p)] for i < k (the continuation, repeated periodically once it
            reaches the suffix). No match: propose the last token k times.
-  trim     where the device reads its tensors for free (the CPU) and every row is greedy, the
-           step verifies only w = max over rows of the drafts worth checking: none without a
-           match, SINGLE_TOKEN_MATCH_DRAFTS after a 1-token match, k after a longer one
-           (bench/results/ngram_trim.txt). Greedy output does not depend on w; sampled rows
-           keep k, so a seeded request does not depend on what it is batched with.
-  verify   the target reads [b, d_1..d_w] at positions L..L+w; greedy, or rejection sampling
-           with q = one-hot at each draft (a deterministic proposal is a valid q)
+  trim     where the device reads its tensors for free (the CPU), a greedy row verifies only
+           the drafts worth checking, w_b: none without a match, SINGLE_TOKEN_MATCH_DRAFTS after
+           a 1-token match, k after a longer one. Greedy output does not depend on w_b; sampled
+           rows keep k, so a seeded request does not depend on what it is batched with.
+  verify   the target reads [b, d_1..d_w] at positions L..L+w (w = w_b, or k); greedy, or
+           rejection sampling with q = one-hot at each draft (a deterministic proposal is a valid q)
   state    kv_len += n+1, bonus = emitted_n, history gets the emitted tokens
 """
 from __future__ import annotations
@@ -79,12 +78,16 @@ class NgramWorker(SpecWorker):
         tokens = self.history.tokens
         width = min(inp.max_kv, tokens.shape[1])           # max_kv >= L+k+1 > every valid position
         drafts, worth = ngram_drafts(tokens[rows, :width], L + 1, k)               # [B, k], [B]
-        if k and sb.all_greedy and runner.device.free_host_reads:
-            drafts = drafts[:, :int(worth.max())]                                   # trim
+        widths = None
+        if k and runner.device.free_host_reads:                                     # trim
+            widths = torch.where(sb.greedy.to(dev), worth, k)
+            drafts = drafts[:, :int(widths.max())]
+            widths = widths.clamp(max=drafts.shape[1])
         self.mark("draft", marks)
         vocab = self.runner.vocab_size
         one_hot = lambda: torch.zeros(batch, drafts.shape[1], vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)  # noqa: E731
-        _, _, _, logits, emitted, n = self.verify(inp, rows, L, drafts, one_hot)
+        v = self.verify(inp, rows, L, drafts, one_hot, widths=widths)
+        logits, emitted, n = v.logits, v.emitted, v.n
         pick = torch.arange(batch, device=dev)
         self.history.write_step(rows, L, emitted)
         self.kv_len[rows] = L + n + 1

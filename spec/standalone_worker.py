@@ -95,7 +95,8 @@ class StandaloneWorker(SpecWorker):
                 qs.append(q)
         drafts_t = torch.stack(drafts, dim=1) if k else rows.new_zeros(batch, 0)     # [B, k]
         self.mark("draft", marks)
-        _, _, _, logits, emitted, n = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1))
+        v = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1))
+        logits, emitted, n = v.logits, v.emitted, v.n
         pick = torch.arange(batch, device=dev)
         self.history.write_step(rows, L, emitted)
         self.kv_len[rows] = L + n + 1

@@ -94,15 +94,24 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
 
 def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: bool = True,
                         params: list[SamplingParams] | None = None, max_steps: int = 2000,
-                        widths: list[int] | None = None):
+                        widths: list[int] | None = None, verified_tokens: list[tuple[int, int]] | None = None):
     """Run the scheduler and model runner as the rank does (with overlap, batch N+1 is
     scheduled and launched before batch N is processed). Returns the outputs, (accepted drafts,
     chain length) of every row of every speculative step in order, and the retraction count;
-    `widths` gets the drafts each speculative step verified."""
+    `widths` gets the drafts each speculative step verified (its widest row), `verified_tokens`
+    the rows and tokens its verify forward read."""
     args = parse_args(BASE_FLAGS + flags)
     device = CpuDevice()
     future_slots = 2 * args.max_running_requests + 2
     runner = ModelRunner(args, device, future_slots)
+    forwards: list[int] = []                              # tokens of each target forward of a step
+    if verified_tokens is not None:
+        forward = runner.model.forward
+
+        def counted(ids, attn, **kw):
+            forwards.append(ids.shape[0])
+            return forward(ids, attn, **kw)
+        runner.model.forward = counted
     scheduler = Scheduler(SchedulerConfig(
         max_running_requests=args.max_running_requests, max_queued_requests=100,
         max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
@@ -117,6 +126,7 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
 
     def launch(batch):
         inp = runner.prepare(batch)
+        forwards.clear()
         with torch.inference_mode():
             result = runner.speculative_step(inp) if inp.spec_decode else runner.forward_and_sample(inp)
             if isinstance(result, Deferred):          # a prefill's draft work, after its result
@@ -126,6 +136,8 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
             drafted.extend((n, inp.chain) for n in result[1].tolist())
             if widths is not None:
                 widths.append(result[0].shape[1] - 1)
+            if verified_tokens is not None:
+                verified_tokens.append((inp.rows.numel(), forwards[0]))   # (rows, tokens) of its verify
         return batch, result
 
     in_flight, steps = None, 0
@@ -248,29 +260,46 @@ def test_ngram_verifies_only_the_drafts_worth_checking(models, in_process_refere
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_eagle_chain_ends_before_the_first_unconfident_draft(algorithm, sampling):
-    """The embedded target and heads, k = 5: on the CPU a greedy step stops drafting before the
-    first draft whose head probability is under DRAFT_CONFIDENCE in every row, so steps verify
-    0..5 drafts and the output stays that of no speculation. A step with sampling rows verifies all k."""
+    """The embedded target and heads, k = 5, two requests: on the CPU a greedy row verifies its
+    drafts up to the first one its head gives probability under DRAFT_CONFIDENCE, the chain stops
+    where no row goes on, and the output stays that of no speculation. Sampling rows verify all k."""
     from transformers import AutoTokenizer
     from tests.e2e_prompts import CODE_PROMPTS
     repo = Path(__file__).resolve().parent.parent
     target = repo / "models" / "tandem-dense"
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = [tok.encode(CODE_PROMPTS[2])]
+    prompts = [tok.encode(CODE_PROMPTS[2]), tok.encode(CODE_PROMPTS[0])]
     params = [SamplingParams(max_new_tokens=40, temperature=0.8, seed=5, ignore_eos=True) if sampling
-              else SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)]
+              else SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)] * 2
     flags = ["--model-path", str(target), "--speculative-algorithm", algorithm, "--speculative-num-steps", "5",
              "--speculative-draft-model-path", str(repo / "models" / f"tandem-dense-{algorithm}")]
     widths: list[int] = []
-    outputs, steps, _ = generate_in_process(flags, prompts, params=params, widths=widths)
-    full = [w for w, (_, chain) in zip(widths, steps) if chain == 5]
+    verified: list[tuple[int, int]] = []
+    outputs, _, _ = generate_in_process(flags, prompts, params=params, widths=widths, verified_tokens=verified)
     if sampling:
-        assert set(full) == {5}
+        assert all(tokens == rows * 6 for rows, tokens in verified)
         return
     reference = generate_in_process(["--model-path", str(target), "--speculative-algorithm", "none"], prompts,
                                     params=params)[0]
     assert outputs == reference
-    assert 5 in full and min(full) < 5 and all(n <= w for (n, _), w in zip(steps, widths))
+    assert 5 in widths and min(widths) < 5
+    assert all(tokens <= rows * (w + 1) for w, (rows, tokens) in zip(widths, verified))
+    assert any(rows == 2 and tokens < 2 * (w + 1) for w, (rows, tokens) in zip(widths, verified))
+
+
+def test_ngram_rows_verify_their_own_widths(models, in_process_reference):
+    """Two greedy rows in one batch: one repeats its prompt's pattern (a long match: k drafts),
+    the other has no token that recurs (no match at first: none). The verify forward reads each
+    row's own width + 1 tokens, not 2 * (k+1), and the output stays that of no speculation."""
+    prompts = [[11, 12, 13, 14, 15] * 7, list(range(100, 160))]
+    widths: list[int] = []
+    verified: list[tuple[int, int]] = []
+    flags = spec_flags(models, "dense", "ngram") + ["--speculative-num-steps", "6"]
+    outputs, _, _ = generate_in_process(flags, prompts, widths=widths, verified_tokens=verified)
+    assert outputs == in_process_reference("dense", prompts)
+    assert len(verified) == len(widths)
+    assert all(tokens <= rows * (w + 1) for w, (rows, tokens) in zip(widths, verified))
+    assert any(rows == 2 and tokens < 2 * (w + 1) for w, (rows, tokens) in zip(widths, verified))
 
 
 def test_noisy_standalone_draft_accepts_part_of_the_time(models, in_process_reference):
