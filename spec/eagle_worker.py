@@ -28,14 +28,8 @@ import torch
 from engine.models.attention import chain_step_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import SpecWorker
+from spec.base import ConfidenceTrim, SpecWorker, top_choice
 
-# The chain stops below this top-1 probability of the head. On held-out text (24 prompts, k = 6)
-# the embedded head's drafts under 0.1 were accepted 44% of the time, those above 90%; a chain
-# step costs ~0.2 of a target step and each verified draft ~0.07, so a draft that unlikely (and
-# the chain behind it) costs more than it brings. Measured at concurrency 1: EAGLE k=4 went from
-# 1.45x to 1.52x of none's output tok/s (bench/results/capped_chain.txt, eagle_trim.txt).
-DRAFT_CONFIDENCE = 0.1
 
 
 class EagleWorker(SpecWorker):
@@ -49,7 +43,6 @@ class EagleWorker(SpecWorker):
         self.draft_hidden = torch.zeros(rows, self.head.hidden_size, dtype=runner.dtype, device=dev)
         self.first_probs = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
         self.first_confidence = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self.trims = runner.device.free_host_reads        # see "trim" above
         self.draft_ids = self.head.draft_to_target(torch.arange(self.head.compute_logits(
             torch.zeros(1, self.head.hidden_size, dtype=runner.dtype, device=dev)).shape[-1], device=dev))
 
@@ -63,10 +56,7 @@ class EagleWorker(SpecWorker):
         """Head output rows -> draft tokens (target ids), q over the target vocab when any row
         samples (else None), and the head's top-1 probability of each row (None where chains are not trimmed)."""
         logits = self.head.compute_logits(hidden)
-        top_logit, top = logits.max(dim=-1)
-        confidence = None
-        if self.trims:
-            confidence = 1.0 / torch.exp(logits - top_logit[:, None]).sum(dim=-1)    # softmax at the top
+        top, confidence = top_choice(logits, self.trims)
         greedy = self.head.draft_to_target(top)
         if sb.all_greedy:
             return greedy, None, confidence
@@ -109,12 +99,9 @@ class EagleWorker(SpecWorker):
         runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
-        trim = k > 0 and self.trims
-        if trim:
-            unsure = lambda confidence: (confidence < DRAFT_CONFIDENCE) & sb.greedy.to(dev)  # noqa: E731
-            kept = [~unsure(self.first_confidence[rows])]      # kept[i][b]: row b verifies d_(i+1)
-            if not bool(kept[0].any()):
-                k = 0                                           # no row believes its first draft
+        trim = ConfidenceTrim(sb.greedy.to(dev)) if k and self.trims else None
+        if trim and not trim.keep(self.first_confidence[rows]):
+            k = 0                                               # no row believes its first draft
         drafts = [self.draft_first[rows]][:k]
         qs = [None if sb.all_greedy else self.first_probs[rows]][:k]       # q only matters when sampling
         g = self.draft_hidden[rows]
@@ -123,15 +110,12 @@ class EagleWorker(SpecWorker):
         for i in range(2, k + 1):
             g = self.head(drafts[-1], g, chain_step_batch(L + (i - 2), table, self.draft_kv))
             token, q, confidence = self.propose(g, sb, salt=1 + i)
-            if trim:
-                keep = kept[-1] & ~unsure(confidence)
-                if not bool(keep.any()):
-                    break                                       # no row verifies d_i: the chain ends
-                kept.append(keep)
+            if trim and not trim.keep(confidence):
+                break                                           # no row verifies d_i: the chain ends
             drafts.append(token)
             qs.append(q)
         drafts_t = torch.stack(drafts, dim=1) if drafts else rows.new_zeros(batch, 0)     # [B, w]
-        widths = torch.stack(kept, dim=1).sum(dim=1) if trim and drafts else None
+        widths = trim.widths() if trim else None
         self.mark("draft", marks)
         v = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1), capture_aux=self.needs_aux,
                         widths=widths)

@@ -79,7 +79,7 @@ class NgramWorker(SpecWorker):
         width = min(inp.max_kv, tokens.shape[1])           # max_kv >= L+k+1 > every valid position
         drafts, worth = ngram_drafts(tokens[rows, :width], L + 1, k)               # [B, k], [B]
         widths = None
-        if k and runner.device.free_host_reads:                                     # trim
+        if k and self.trims:                                                        # trim
             widths = torch.where(sb.greedy.to(dev), worth, k)
             drafts = drafts[:, :int(widths.max())]
             widths = widths.clamp(max=drafts.shape[1])

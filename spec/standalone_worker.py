@@ -1,5 +1,5 @@
 """Standalone drafting: a small causal LM with the target's tokenizer proposes a chain,
-on the stream, with fixed shapes.
+on the stream (fixed shapes where the device needs them).
 
 The draft is an ordinary LM (draft position t reads token t) with its own KV cache,
 indexed by the same slot table as the target. A step for B decoding requests
@@ -7,14 +7,18 @@ indexed by the same slot table as the target. A step for B decoding requests
 
   draft    forward 1 reads the history at positions L-1-lag .. L (its last token is b)
            and proposes d_1; forward i = 2..k reads d_{i-1} at L+i-1 and proposes d_i
-  verify   the target reads [b, d_1..d_k] at positions L..L+k         (one forward of B*(k+1) rows)
+  trim     where the device reads its tensors for free (the CPU), a greedy row verifies its
+           drafts up to the first the draft gives probability < DRAFT_CONFIDENCE (w_b of
+           them; sampled rows keep k), and the chain stops where no row goes on (w = max w_b)
+  verify   the target reads [b, d_1..d_wb] at positions L..L+w_b   (one forward of sum(w_b+1) rows)
   accept   n leading drafts match; emitted = the n drafts + the target's token after them
   state    kv_len += n+1, bonus = emitted_n, the history gets the emitted tokens
 
 Invariant at the start of a drafting step: the draft KV holds the request's tokens at
-every position < L-1-lag. Forwards fed b, d_1..d_{k-1} at L..L+k-1, and the accepted
-tokens at L..L+n are exactly b, d_1..d_n, so after acceptance positions < L+n are right;
-when n == k, position L+k (d_k) was never fed. Re-reading the token at L-1 in the next
+every position < L-1-lag. Forwards fed b, d_1..d_{w-1} at L..L+w-1 (and d_w at L+w when
+the chain was trimmed after it), and the accepted tokens at L..L+n (n <= w_b <= w) are
+exactly b, d_1..d_n, so after acceptance positions < L+n are right; when n == k, position
+L+k (d_k) was never fed. Re-reading the token at L-1 in the next
 step's first forward covers both cases without the CPU knowing n (a correct entry is
 just rewritten). A plain step (k == 0, under load) runs no draft and emits exactly one
 token, so the CPU knows how far each draft lags (SeqWork.draft_lag). A prefill runs the
@@ -29,7 +33,7 @@ import torch
 from engine.models.attention import build_attention_batch, chain_step_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import SpecWorker, TokenHistory
+from spec.base import ConfidenceTrim, SpecWorker, TokenHistory, top_choice
 
 
 class StandaloneWorker(SpecWorker):
@@ -47,15 +51,17 @@ class StandaloneWorker(SpecWorker):
     def draft_kv_layout(self) -> tuple[int, int, int]:
         return self.draft.kv_layout()
 
-    def propose(self, hidden: torch.Tensor, sb: SamplingBatch, salt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft output rows -> draft tokens and, when any row samples, q (the draft's filtered distribution)."""
+    def propose(self, hidden: torch.Tensor, sb: SamplingBatch,
+                salt: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Draft output rows -> draft tokens, q (the draft's filtered distribution) when any row
+        samples, and the draft's top-1 probability of each row where chains are trimmed."""
         logits = self.draft.compute_logits(hidden)
-        greedy = logits.argmax(dim=-1)
+        greedy, confidence = top_choice(logits, self.trims)
         if sb.all_greedy:
-            return greedy, None
+            return greedy, None, confidence
         q = filtered_probs(logits, sb)
         noise = seeded_noise(tuple(q.shape), sb, self.runner.generator, q.device, salt=salt)
-        return torch.where(sb.greedy, greedy, (q / noise).argmax(dim=-1)), q
+        return torch.where(sb.greedy, greedy, (q / noise).argmax(dim=-1)), q, confidence
 
     # ---- prefill -------------------------------------------------------------------
 
@@ -83,19 +89,26 @@ class StandaloneWorker(SpecWorker):
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
         drafts, qs = [], []
+        trim = ConfidenceTrim(sb.greedy.to(dev)) if k and self.trims else None
         if k:
-            token, q = self.propose(self.catch_up(inp, rows, L), sb, salt=1)
-            drafts, qs = [token], [q]
+            token, q, confidence = self.propose(self.catch_up(inp, rows, L), sb, salt=1)
+            if trim and not trim.keep(confidence):
+                k = 0                                           # no row believes its first draft
+            else:
+                drafts, qs = [token], [q]
             # the rows' slot table, shared by the chain's steps (max_kv > L + k: every chain position)
             table = runner.req_to_slot[:, :inp.max_kv].index_select(0, rows) if k > 1 else None
             for i in range(2, k + 1):
                 attn = chain_step_batch(L + (i - 1), table, self.draft_kv)
-                token, q = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)
+                token, q, confidence = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)
+                if trim and not trim.keep(confidence):
+                    break                                       # no row verifies d_i: the chain ends
                 drafts.append(token)
                 qs.append(q)
-        drafts_t = torch.stack(drafts, dim=1) if k else rows.new_zeros(batch, 0)     # [B, k]
+        drafts_t = torch.stack(drafts, dim=1) if drafts else rows.new_zeros(batch, 0)     # [B, w]
         self.mark("draft", marks)
-        v = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1))
+        v = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1),
+                        widths=trim.widths() if trim else None)
         logits, emitted, n = v.logits, v.emitted, v.n
         pick = torch.arange(batch, device=dev)
         self.history.write_step(rows, L, emitted)

@@ -94,16 +94,25 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
 
 def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: bool = True,
                         params: list[SamplingParams] | None = None, max_steps: int = 2000,
-                        widths: list[int] | None = None, verified_tokens: list[tuple[int, int]] | None = None):
+                        widths: list[tuple[int, int]] | None = None, verified_tokens: list[tuple[int, int]] | None = None):
     """Run the scheduler and model runner as the rank does (with overlap, batch N+1 is
     scheduled and launched before batch N is processed). Returns the outputs, (accepted drafts,
-    chain length) of every row of every speculative step in order, and the retraction count;
-    `widths` gets the drafts each speculative step verified (its widest row), `verified_tokens`
+    drafts verified) of every row of every speculative step in order (a row verifies the step's
+    whole chain unless the CPU trimmed it: see ConfidenceTrim), and the retraction count;
+    `widths` gets each speculative step's (chain, drafts its widest row verified), `verified_tokens`
     the rows and tokens its verify forward read."""
     args = parse_args(BASE_FLAGS + flags)
     device = CpuDevice()
     future_slots = 2 * args.max_running_requests + 2
     runner = ModelRunner(args, device, future_slots)
+    row_widths: list[torch.Tensor] = []                   # drafts each row of a step verified
+    if runner.spec is not None:
+        verify = runner.spec.verify
+
+        def recorded(inp, rows, L, drafts, *args, widths=None, **kw):
+            row_widths.append(widths if widths is not None else torch.full_like(rows, drafts.shape[1]))
+            return verify(inp, rows, L, drafts, *args, widths=widths, **kw)
+        runner.spec.verify = recorded
     forwards: list[int] = []                              # tokens of each target forward of a step
     if verified_tokens is not None:
         forward = runner.model.forward
@@ -133,9 +142,9 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
                 result.rest()
                 result = result.result
         if inp.spec_decode:
-            drafted.extend((n, inp.chain) for n in result[1].tolist())
+            drafted.extend(zip(result[1].tolist(), row_widths[-1].tolist()))
             if widths is not None:
-                widths.append(result[0].shape[1] - 1)
+                widths.append((inp.chain, result[0].shape[1] - 1))
             if verified_tokens is not None:
                 verified_tokens.append((inp.rows.numel(), forwards[0]))   # (rows, tokens) of its verify
         return batch, result
@@ -159,8 +168,8 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
 
 
 def full_chains(steps: list[tuple[int, int]]) -> list[int]:
-    """Accepted drafts of the steps that drafted a whole chain (the last steps of a request draft
-    only what max_new_tokens leaves room for)."""
+    """Accepted drafts of the rows that verified a whole chain (the last steps of a request draft
+    only what max_new_tokens leaves room for; trimmed rows verify fewer)."""
     return [n for n, chain in steps if chain == K]
 
 
@@ -245,16 +254,16 @@ def test_ngram_verifies_only_the_drafts_worth_checking(models, in_process_refere
     the output stays that of no speculation. A step with sampling rows verifies all k."""
     prompts = [list(range(100, 160))]                       # no token recurs in the prompt
     params = [SamplingParams(max_new_tokens=40, temperature=0.8, seed=5, ignore_eos=True) if sampling else GREEDY]
-    widths: list[int] = []
+    widths: list[tuple[int, int]] = []
     flags = spec_flags(models, "dense", "ngram") + ["--speculative-num-steps", "6"]
     outputs, steps, _ = generate_in_process(flags, prompts, params=params, widths=widths)
-    full = [w for w, (_, chain) in zip(widths, steps) if chain == 6]
+    full = [w for chain, w in widths if chain == 6]
     if sampling:
         assert set(full) == {6}
         return
     assert outputs == in_process_reference("dense", prompts)
     assert set(full) <= {0, SINGLE_TOKEN_MATCH_DRAFTS, 6} and 0 in full and len(set(full)) > 1
-    assert all(n <= w for (n, _), w in zip(steps, widths))
+    assert all(n <= w for (n, _), (_, w) in zip(steps, widths))
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
@@ -273,7 +282,7 @@ def test_eagle_chain_ends_before_the_first_unconfident_draft(algorithm, sampling
               else SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)] * 2
     flags = ["--model-path", str(target), "--speculative-algorithm", algorithm, "--speculative-num-steps", "5",
              "--speculative-draft-model-path", str(repo / "models" / f"tandem-dense-{algorithm}")]
-    widths: list[int] = []
+    widths: list[tuple[int, int]] = []
     verified: list[tuple[int, int]] = []
     outputs, _, _ = generate_in_process(flags, prompts, params=params, widths=widths, verified_tokens=verified)
     if sampling:
@@ -282,9 +291,9 @@ def test_eagle_chain_ends_before_the_first_unconfident_draft(algorithm, sampling
     reference = generate_in_process(["--model-path", str(target), "--speculative-algorithm", "none"], prompts,
                                     params=params)[0]
     assert outputs == reference
-    assert 5 in widths and min(widths) < 5
-    assert all(tokens <= rows * (w + 1) for w, (rows, tokens) in zip(widths, verified))
-    assert any(rows == 2 and tokens < 2 * (w + 1) for w, (rows, tokens) in zip(widths, verified))
+    assert {w for _, w in widths} >= {5} and min(w for _, w in widths) < 5
+    assert all(tokens <= rows * (w + 1) for (_, w), (rows, tokens) in zip(widths, verified))
+    assert any(rows == 2 and tokens < 2 * (w + 1) for (_, w), (rows, tokens) in zip(widths, verified))
 
 
 def test_ngram_rows_verify_their_own_widths(models, in_process_reference):
@@ -292,14 +301,14 @@ def test_ngram_rows_verify_their_own_widths(models, in_process_reference):
     the other has no token that recurs (no match at first: none). The verify forward reads each
     row's own width + 1 tokens, not 2 * (k+1), and the output stays that of no speculation."""
     prompts = [[11, 12, 13, 14, 15] * 7, list(range(100, 160))]
-    widths: list[int] = []
+    widths: list[tuple[int, int]] = []
     verified: list[tuple[int, int]] = []
     flags = spec_flags(models, "dense", "ngram") + ["--speculative-num-steps", "6"]
     outputs, _, _ = generate_in_process(flags, prompts, widths=widths, verified_tokens=verified)
     assert outputs == in_process_reference("dense", prompts)
     assert len(verified) == len(widths)
-    assert all(tokens <= rows * (w + 1) for w, (rows, tokens) in zip(widths, verified))
-    assert any(rows == 2 and tokens < 2 * (w + 1) for w, (rows, tokens) in zip(widths, verified))
+    assert all(tokens <= rows * (w + 1) for (_, w), (rows, tokens) in zip(widths, verified))
+    assert any(rows == 2 and tokens < 2 * (w + 1) for (_, w), (rows, tokens) in zip(widths, verified))
 
 
 def test_noisy_standalone_draft_accepts_part_of_the_time(models, in_process_reference):
