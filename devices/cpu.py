@@ -22,17 +22,30 @@ class CpuDevice(Device):
     def __init__(self, index: int = 0):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-stream")
         self.rest_error: BaseException | None = None    # from a Deferred's rest: the next launch raises it
+        self.threads = self.wide_threads = torch.get_num_threads()
+        self.wide_from_tokens = 0                        # 0: every launch on `threads`
+        self.current_threads = 0
+
+    def use_threads(self, threads: int, wide_threads: int, wide_from_tokens: int) -> None:
+        """Intra-op threads of launched work: `wide_threads` for batches of wide_from_tokens or more
+        tokens (when > 0), else `threads`."""
+        self.threads, self.wide_threads, self.wide_from_tokens = threads, wide_threads, wide_from_tokens
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
 
-    def launch(self, work: Callable[[], Any]) -> Launched:
+    def launch(self, work: Callable[[], Any], tokens: int = 0) -> Launched:
         loop = asyncio.get_running_loop()
         launched = Launched(loop.create_future())
+        wide = 0 < self.wide_from_tokens <= tokens
+        threads = self.wide_threads if wide else self.threads
 
         def timed() -> None:
             launched.started = now()
+            if threads != self.current_threads:
+                torch.set_num_threads(threads)
+                self.current_threads = threads
             try:
                 if self.rest_error is not None:
                     error, self.rest_error = self.rest_error, None

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from devices.base import create_device
+from devices.cpu import CpuDevice
 from engine.args import ServerArgs
 from engine.messages import RankReady, ToRank
 from engine.rank import Rank
@@ -35,6 +36,8 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     reader, writer = await asyncio.open_unix_connection(socket_path)
     channel = Channel(reader, writer, ToRank)
     device = create_device(args.device, rank)
+    if isinstance(device, CpuDevice):
+        device.use_threads(cpu_threads(args), cores_per_rank(args), args.cpu_wide_batch_tokens if args.enable_overlap else 0)
     # eos ids come from the checkpoint's own config files
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(args.model_path)
@@ -53,8 +56,12 @@ def cpu_threads(args: ServerArgs) -> int:
     """Intra-op threads: with overlap on the CPU, the scheduler loop needs a core of its own."""
     if args.cpu_threads:
         return args.cpu_threads
-    per_rank = max(1, (os.cpu_count() or 1) // args.dp_size)
+    per_rank = cores_per_rank(args)
     return max(1, per_rank - 1) if args.enable_overlap else per_rank
+
+
+def cores_per_rank(args: ServerArgs) -> int:
+    return max(1, (os.cpu_count() or 1) // args.dp_size)
 
 
 def rank_main(args: ServerArgs, rank: int, socket_path: str) -> None:

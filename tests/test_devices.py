@@ -67,6 +67,18 @@ async def test_cpu_stream_delivers_a_deferred_result_before_its_rest_runs():
     device.close()
 
 
+async def test_cpu_stream_runs_large_batches_on_more_threads():
+    device = create_device("cpu")
+    before = torch.get_num_threads()
+    try:
+        device.use_threads(1, 2, wide_from_tokens=64)
+        counts = [await device.launch(torch.get_num_threads, tokens) for tokens in (8, 64, 100, 1)]
+        assert counts == [1, 2, 2, 1]
+    finally:
+        device.close()
+        torch.set_num_threads(before)
+
+
 def test_overlap_meter_counts_cpu_time_spent_while_the_device_was_busy():
     meter = OverlapMeter()
     meter.cpu(0.0, 1.0)          # before any device work: not hidden
