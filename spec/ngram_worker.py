@@ -82,7 +82,6 @@ class NgramWorker(SpecWorker):
         if k and self.trims:                                                        # trim
             widths = torch.where(sb.greedy.to(dev), worth, k)
             drafts = drafts[:, :int(widths.max())]
-            widths = widths.clamp(max=drafts.shape[1])
         self.mark("draft", marks)
         vocab = self.runner.vocab_size
         one_hot = lambda: torch.zeros(batch, drafts.shape[1], vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)  # noqa: E731
