@@ -28,7 +28,15 @@ class CpuDevice(Device):
 
     def use_threads(self, threads: int, wide_threads: int, wide_from_tokens: int) -> None:
         """Intra-op threads of launched work: `wide_threads` for batches of wide_from_tokens or more
-        tokens (when > 0), else `threads`."""
+        tokens (when > 0), else `threads`.
+
+        With overlap the rank loop keeps a core for scheduling, and small batches (one decode
+        token, a short verify) run best on the rest: their many small ops gain nothing from a
+        second thread. Large batches (prefill chunks, verify at load) are matrix products that
+        do: on the 2-core development machine, batches of 16+ tokens on both cores made plain
+        decoding at concurrency 16 1.31x faster and prefill (TTFT at concurrency 1) 1.35x,
+        while the loop's own work in that time costs less than it gains
+        (bench/results/wide_threads.txt, wide_threshold.txt)."""
         self.threads, self.wide_threads, self.wide_from_tokens = threads, wide_threads, wide_from_tokens
 
     @property

@@ -73,8 +73,8 @@ class ServerArgs:
                            "the front sends each request to the least loaded one.")
     cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank on the CPU (default: the cores per rank, "
                                          "less one for the scheduler loop when overlapping).")
-    cpu_wide_batch_tokens: int = flag(0, "On the CPU with overlap: batches of at least this many tokens run on every "
-                                         "core of the rank (the loop's too), smaller ones on --cpu-threads. 0: never.")
+    cpu_wide_batch_tokens: int = flag(16, "On the CPU with overlap: batches of at least this many tokens run on every "
+                                          "core of the rank (the loop's too), smaller ones on --cpu-threads. 0: never.")
     stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
 
     @property
