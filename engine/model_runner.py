@@ -45,6 +45,7 @@ class BatchInputs:
     spec_decode: bool
     chain: int                     # speculative decode: draft tokens per request (0: a plain step under load)
     draft_lag: torch.Tensor        # speculative decode: tokens each request's draft model has not read yet
+    draft_skip: bool = False       # speculation, prefill: the draft model does not read this batch
 
 
 def resolve_dtype(name: str, device: Device) -> torch.dtype:
@@ -66,6 +67,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=dev).manual_seed(args.random_seed)
         self.futures = FutureMap(future_slots, dev)
         self.spec = create_spec_worker(args.spec_algorithm, self) if self.spec_tokens else None  # loads the draft
+        self.draft_skips_prefill = bool(self.spec and self.spec.catches_up)
         layers, kv_heads, head_dim = self.model.kv_layout()
         per_slot = KVCache.bytes_per_slot(layers, kv_heads, head_dim, self.dtype)
         self.num_slots = self.kv_capacity(per_slot + (self.spec.kv_bytes_per_slot() if self.spec else 0))
@@ -115,7 +117,7 @@ class ModelRunner:
             sample_rows=long(sample_rows), future_ids=long(future_ids), max_q=batch.max_q, max_kv=batch.max_kv,
             sampling=SamplingBatch.build(batch.sample_params, positions, self.vocab_size, torch.device("cpu")),
             draft_next=long(batch.draft_next), spec_decode=batch.is_spec_decode, chain=batch.chain,
-            draft_lag=long(lags))
+            draft_lag=long(lags), draft_skip=batch.draft_skip)
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         inputs = self.prepare(batch)

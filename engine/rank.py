@@ -46,7 +46,8 @@ class Rank:
             max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
             max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
             context_length=self.runner.context_length, future_slots=future_slots,
-            spec_tokens=self.runner.spec_tokens, spec_off_batch_size=args.spec_off_batch_size), self.pool, eos_ids)
+            spec_tokens=self.runner.spec_tokens, spec_off_batch_size=args.spec_off_batch_size,
+            draft_skips_prefill=self.runner.draft_skips_prefill), self.pool, eos_ids)
         self.inbox: list = []
         self.wake = asyncio.Event()
         self.stopping = False

@@ -41,7 +41,8 @@ class Request:
         self.prefilled = False        # its last prompt chunk has been launched
         self.spec_verify_ct = 0       # speculative verify steps that produced output for it
         self.spec_steps_launched = 0
-        self.draft_lag = 0            # plain (draft-free) speculative steps since its draft last ran
+        self.draft_lag = 0            # positions its draft model has to catch up on (see the scheduler)
+        self.draft_end = 0            # prompt positions its draft model has read (prefill)
         self.pending = 0
         self.future_id = 0
         self.finish_reason: str | None = None

@@ -21,7 +21,12 @@ Under load (a decode batch of at least `spec_off_batch_size` requests) a step dr
 nothing: it verifies only the bonus token, i.e. it is a plain decode step that emits
 exactly one token. A draft model that skipped such steps catches up in the next
 drafting step; `draft_lag` (plain steps since the request's draft last ran) is exact
-on the CPU because each of those steps emitted exactly one token.
+on the CPU because each of those steps emitted exactly one token. Such a draft
+(`draft_skips_prefill`) also skips prefill batches under load (`draft_skip`: as many
+requests running): a request whose prompt the draft did not read starts decoding with
+draft_lag = P - 1 - draft_end (P prompt tokens, the draft read the first draft_end), and
+once one of its chunks was skipped the later ones are too, so what the draft lacks is
+always the tail its catch-up reads.
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ class ScheduledBatch:
     sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
     draft_next: list[int] = field(default_factory=list)    # speculation, prefill: token after each chunk (-1: sampled)
     chain: int = 0              # speculative decode: draft tokens per request this step (k, or 0 under load)
+    draft_skip: bool = False    # speculation, prefill: the draft model does not read these chunks
 
     @property
     def is_spec_decode(self) -> bool:
@@ -105,6 +111,7 @@ class SchedulerConfig:
     future_slots: int
     spec_tokens: int = 0     # k+1 tokens per speculative decode step; 0 without speculation
     spec_off_batch_size: int = 0   # decode batches this large draft nothing (0: always draft)
+    draft_skips_prefill: bool = False   # the draft catches up on skipped prompt chunks too (standalone)
 
 
 class Scheduler:
@@ -181,7 +188,21 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             budget -= self.feed_chunk(batch, req, budget)
+        if spec and batch.seqs:
+            self.mark_draft_reads(batch)
         return batch if batch.seqs else None
+
+    def mark_draft_reads(self, batch: ScheduledBatch) -> None:
+        """A prefill batch: does the draft model read it, and how far each request's draft lags."""
+        off = self.config.spec_off_batch_size
+        batch.draft_skip = self.config.draft_skips_prefill and off > 0 and (
+            len(self.running) >= off or any(seq.req.draft_end < seq.start for seq in batch.seqs))
+        for seq in batch.seqs:
+            req, end = seq.req, seq.start + seq.q_len
+            if not batch.draft_skip:
+                req.draft_end = end
+            if seq.last_chunk:
+                req.draft_lag = 0 if req.draft_end == end else end - 1 - req.draft_end
 
     def chain_length(self, decodes: list[Request]) -> int:
         """Draft tokens per request for a speculative decode step: none under load, and, for an
@@ -238,6 +259,7 @@ class Scheduler:
         self.pool.release(req.pages)
         self.pool.give_row(req.row)
         req.row, req.kv_len, req.status, req.prefilled, req.draft_lag = None, 0, Status.WAITING, False, 0
+        req.draft_end = 0
         req.retractions += 1
         self.retractions += 1
         self.waiting.appendleft(req)

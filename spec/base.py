@@ -42,6 +42,7 @@ def normalize_algorithm(name: str | None) -> str:
 
 class SpecWorker(ABC):
     needs_aux = False          # the target must return EAGLE-3 aux hidden states
+    catches_up = False         # the draft can skip prefill batches and read what it missed later
 
     def __init__(self, runner: "ModelRunner"):
         self.runner = runner

@@ -22,7 +22,8 @@ L+k (d_k) was never fed. Re-reading the token at L-1 in the next
 step's first forward covers both cases without the CPU knowing n (a correct entry is
 just rewritten). A plain step (k == 0, under load) runs no draft and emits exactly one
 token, so the CPU knows how far each draft lags (SeqWork.draft_lag). A prefill runs the
-draft over the same chunk, leaving positions < L right.
+draft over the same chunk, leaving positions < L right, except under load (inp.draft_skip),
+when the draft reads nothing and the scheduler counts the prompt's tail into draft_lag.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from spec.base import ConfidenceTrim, SpecWorker, TokenHistory, top_choice
 
 
 class StandaloneWorker(SpecWorker):
+    catches_up = True          # draft_lag: plain steps and skipped prompt chunks
     def __init__(self, runner):
         super().__init__(runner)
         dev = runner.device.torch_device
@@ -66,7 +68,8 @@ class StandaloneWorker(SpecWorker):
     # ---- prefill -------------------------------------------------------------------
 
     def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
-        self.draft(input_ids, dataclasses.replace(attn, kv=self.draft_kv))
+        if not inp.draft_skip:                                 # under load: caught up when drafting resumes
+            self.draft(input_ids, dataclasses.replace(attn, kv=self.draft_kv))
         self.history.write_prefill(inp, input_ids, attn.positions, sampled)
         if sampled.numel() == 0:
             return

@@ -125,7 +125,7 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
         max_running_requests=args.max_running_requests, max_queued_requests=100,
         max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
         context_length=runner.context_length, future_slots=future_slots, spec_tokens=runner.spec_tokens,
-        spec_off_batch_size=args.spec_off_batch_size),
+        spec_off_batch_size=args.spec_off_batch_size, draft_skips_prefill=runner.draft_skips_prefill),
         KVPool(runner.num_slots, args.page_size, runner.num_rows), eos_ids=frozenset())
     requests = []
     for i, (prompt, p) in enumerate(zip(prompts, params or [GREEDY] * len(prompts))):
