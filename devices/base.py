@@ -57,9 +57,8 @@ class Device(ABC):
         """Where tensors of this rank live."""
 
     @abstractmethod
-    def launch(self, work: Callable[[], Any], tokens: int = 0) -> Launched:
-        """Queue work on the rank's stream, in order; the result is awaitable. `tokens`: the
-        batch's size, for devices whose resources depend on it."""
+    def launch(self, work: Callable[[], Any]) -> Launched:
+        """Queue work on the rank's stream, in order; the result is awaitable."""
 
     @abstractmethod
     def synchronize(self) -> None:

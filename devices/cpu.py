@@ -22,38 +22,25 @@ class CpuDevice(Device):
     def __init__(self, index: int = 0):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-stream")
         self.rest_error: BaseException | None = None    # from a Deferred's rest: the next launch raises it
-        self.threads = self.wide_threads = torch.get_num_threads()
-        self.wide_from_tokens = 0                        # 0: every launch on `threads`
-        self.current_threads = 0
 
-    def use_threads(self, threads: int, wide_threads: int, wide_from_tokens: int) -> None:
-        """Intra-op threads of launched work: `wide_threads` for batches of wide_from_tokens or more
-        tokens (when > 0), else `threads`.
-
-        With overlap the rank loop keeps a core for scheduling, and small batches (one decode
-        token, a short verify) run best on the rest: their many small ops gain nothing from a
-        second thread. Large batches (prefill chunks, verify at load) are matrix products that
-        do: on the 2-core development machine, batches of 16+ tokens on both cores made plain
-        decoding at concurrency 16 1.31x faster and prefill (TTFT at concurrency 1) 1.35x,
-        while the loop's own work in that time costs less than it gains
-        (bench/results/wide_threads.txt, wide_threshold.txt)."""
-        self.threads, self.wide_threads, self.wide_from_tokens = threads, wide_threads, wide_from_tokens
+    def set_threads(self, threads: int) -> None:
+        """Intra-op threads of the stream's work. Set in the worker thread itself, so the rank
+        loop's own small torch calls keep their single thread: on the 2-core development machine
+        the stream on both cores beat the old split (loop on one core, model on the other) by
+        1.15x for plain decoding at concurrency 1, 1.20x at 4 and 1.15x at 16, and EAGLE and
+        n-gram by 1.16x at concurrency 1 (bench/results/wide_all.txt)."""
+        self.worker.submit(torch.set_num_threads, threads).result()
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
 
-    def launch(self, work: Callable[[], Any], tokens: int = 0) -> Launched:
+    def launch(self, work: Callable[[], Any]) -> Launched:
         loop = asyncio.get_running_loop()
         launched = Launched(loop.create_future())
-        wide = 0 < self.wide_from_tokens <= tokens
-        threads = self.wide_threads if wide else self.threads
 
         def timed() -> None:
             launched.started = now()
-            if threads != self.current_threads:
-                torch.set_num_threads(threads)
-                self.current_threads = threads
             try:
                 if self.rest_error is not None:
                     error, self.rest_error = self.rest_error, None

@@ -27,7 +27,7 @@ class StreamDevice(Device):
     def torch_device(self) -> torch.device:
         return torch.device(self.name, self.index)
 
-    def launch(self, work: Callable[[], Any], tokens: int = 0) -> Launched:
+    def launch(self, work: Callable[[], Any]) -> Launched:
         started = now()
         with torch.inference_mode(), self.module.stream(self.stream):
             result = work()

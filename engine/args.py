@@ -73,10 +73,8 @@ class ServerArgs:
               + ", ".join(f"{k} {v}" for k, v in DEFAULT_SPEC_OFF_BATCH_SIZE.items()) + ".")
     dp_size: int = flag(1, "Data-parallel ranks: independent engine processes, each with its own KV cache; "
                            "the front sends each request to the least loaded one.")
-    cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank on the CPU (default: the cores per rank, "
-                                         "less one for the scheduler loop when overlapping).")
-    cpu_wide_batch_tokens: int = flag(16, "On the CPU with overlap: batches of at least this many tokens run on every "
-                                          "core of the rank (the loop's too), smaller ones on --cpu-threads. 0: never.")
+    cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank's CPU stream, where the model runs "
+                                         "(default: the cores per rank); the rank loop itself uses one.")
     stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
 
     @property

@@ -121,10 +121,9 @@ class ModelRunner:
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         inputs = self.prepare(batch)
-        tokens = sum(seq.q_len for seq in batch.seqs)          # a speculative step: chain + 1 per request
         if inputs.spec_decode:
-            return self.device.launch(lambda: self.speculative_step(inputs), tokens)
-        return self.device.launch(lambda: self.forward_and_sample(inputs), tokens)
+            return self.device.launch(lambda: self.speculative_step(inputs))
+        return self.device.launch(lambda: self.forward_and_sample(inputs))
 
     # ---- on the stream -------------------------------------------------------------
 

@@ -37,7 +37,7 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     channel = Channel(reader, writer, ToRank)
     device = create_device(args.device, rank)
     if isinstance(device, CpuDevice):
-        device.use_threads(cpu_threads(args), cores_per_rank(args), args.cpu_wide_batch_tokens if args.enable_overlap else 0)
+        device.set_threads(cpu_threads(args))
     # eos ids come from the checkpoint's own config files
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(args.model_path)
@@ -53,20 +53,13 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
 
 
 def cpu_threads(args: ServerArgs) -> int:
-    """Intra-op threads: with overlap on the CPU, the scheduler loop needs a core of its own."""
-    if args.cpu_threads:
-        return args.cpu_threads
-    per_rank = cores_per_rank(args)
-    return max(1, per_rank - 1) if args.enable_overlap else per_rank
-
-
-def cores_per_rank(args: ServerArgs) -> int:
-    return max(1, (os.cpu_count() or 1) // args.dp_size)
+    """Intra-op threads of the CPU stream (the worker thread that runs the model)."""
+    return args.cpu_threads or max(1, (os.cpu_count() or 1) // args.dp_size)
 
 
 def rank_main(args: ServerArgs, rank: int, socket_path: str) -> None:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
-    torch.set_num_threads(cpu_threads(args))
+    torch.set_num_threads(1)           # the loop's own torch calls; the CPU stream sets its threads
     torch.manual_seed(args.random_seed)
     try:
         import uvloop

@@ -67,16 +67,15 @@ async def test_cpu_stream_delivers_a_deferred_result_before_its_rest_runs():
     device.close()
 
 
-async def test_cpu_stream_runs_large_batches_on_more_threads():
+async def test_cpu_stream_threads_are_its_own():
     device = create_device("cpu")
     before = torch.get_num_threads()
     try:
-        device.use_threads(1, 2, wide_from_tokens=64)
-        counts = [await device.launch(torch.get_num_threads, tokens) for tokens in (8, 64, 100, 1)]
-        assert counts == [1, 2, 2, 1]
+        device.set_threads(2)
+        assert await device.launch(torch.get_num_threads) == 2
+        assert torch.get_num_threads() == before          # the loop thread keeps its own
     finally:
         device.close()
-        torch.set_num_threads(before)
 
 
 def test_overlap_meter_counts_cpu_time_spent_while_the_device_was_busy():
