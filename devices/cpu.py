@@ -22,6 +22,8 @@ class CpuDevice(Device):
     def __init__(self, index: int = 0):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-stream")
         self.rest_error: BaseException | None = None    # from a Deferred's rest: the next launch raises it
+        self.threads = 0                                 # 0: torch's default
+        self.threads_set = 0
 
     def set_threads(self, threads: int) -> None:
         """Intra-op threads of the stream's work. Set in the worker thread itself, so the rank
@@ -29,7 +31,7 @@ class CpuDevice(Device):
         the stream on both cores beat the old split (loop on one core, model on the other) by
         1.15x for plain decoding at concurrency 1, 1.20x at 4 and 1.15x at 16, and EAGLE and
         n-gram by 1.16x at concurrency 1 (bench/results/wide_all.txt)."""
-        self.worker.submit(torch.set_num_threads, threads).result()
+        self.threads = threads
 
     @property
     def torch_device(self) -> torch.device:
@@ -41,6 +43,11 @@ class CpuDevice(Device):
 
         def timed() -> None:
             launched.started = now()
+            # In the worker thread at its next launch, i.e. after the model was loaded: set before
+            # that (right at start-up) the same 2 threads ran plain decoding 2.9x slower here.
+            if self.threads != self.threads_set:
+                torch.set_num_threads(self.threads)
+                self.threads_set = self.threads
             try:
                 if self.rest_error is not None:
                     error, self.rest_error = self.rest_error, None
