@@ -56,7 +56,8 @@ class Rank:
         self.generated = 0
         self.accept_hist = [0] * self.runner.spec_tokens      # emitted 1 .. k+1 tokens
         self.phase_seconds: dict[str, float] = {}
-        self.last_stats = self.last_log = time.perf_counter()
+        self.last_log = time.perf_counter()
+        self.last_stats = 0.0                 # the first loop iteration reports: /metrics has the KV size at once
 
     # ---- the loop ------------------------------------------------------------------
 

@@ -134,7 +134,8 @@ async def wait_for_idle_kv(session, url, timeout=20.0) -> str:
     while True:
         async with session.get(url + "/metrics") as resp:
             text = await resp.text()
-        if metric(text, "tandem_kv_slots_used") == 0 and metric(text, "tandem_num_running_reqs") == 0:
+        reported = metric(text, "tandem_kv_slots_total") > 0          # the rank's gauges have arrived
+        if reported and metric(text, "tandem_kv_slots_used") == 0 and metric(text, "tandem_num_running_reqs") == 0:
             return text
         assert asyncio.get_running_loop().time() < deadline, "KV slots still in use:\n" + text
         await asyncio.sleep(0.3)
