@@ -129,13 +129,17 @@ async def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(default_
         assert out["meta_info"]["completion_tokens"] == 4
 
 
-async def wait_for_idle_kv(session, url, timeout=20.0) -> str:
+async def wait_for_idle_kv(session, url, timeout=20.0, after_steps: float = 0.0) -> str:
+    """/metrics once the rank reports no KV in use, nothing running or waiting, and more than
+    `after_steps` scheduler steps (so the report is from after the work of interest)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         async with session.get(url + "/metrics") as resp:
             text = await resp.text()
-        reported = metric(text, "tandem_kv_slots_total") > 0          # the rank's gauges have arrived
-        if reported and metric(text, "tandem_kv_slots_used") == 0 and metric(text, "tandem_num_running_reqs") == 0:
+        fresh = metric(text, "tandem_kv_slots_total") > 0 and metric(text, "tandem_steps_total") > after_steps
+        idle = (metric(text, "tandem_kv_slots_used") == 0 and metric(text, "tandem_num_running_reqs") == 0
+                and metric(text, "tandem_num_waiting_reqs") == 0)
+        if fresh and idle:
             return text
         assert asyncio.get_running_loop().time() < deadline, "KV slots still in use:\n" + text
         await asyncio.sleep(0.3)
@@ -144,12 +148,13 @@ async def wait_for_idle_kv(session, url, timeout=20.0) -> str:
 async def test_client_disconnect_mid_stream_frees_kv(default_server):
     body = {"model": "tandem-dense", "prompt": CODE_PROMPTS[2], "max_tokens": 1500, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as session:
+        steps_before = metric(await wait_for_idle_kv(session, default_server.url), "tandem_steps_total")
         for _ in range(3):
             resp = await session.post(default_server.url + "/v1/completions", json=body)
             await resp.content.readline()
             await resp.content.readline()
             resp.close()                                   # the client goes away mid-stream
-        text = await wait_for_idle_kv(session, default_server.url)
+        text = await wait_for_idle_kv(session, default_server.url, after_steps=steps_before)
         assert metric(text, "tandem_kv_slots_total") > 0
 
 

@@ -83,7 +83,7 @@ async def test_speculation_switches_off_under_load_and_stays_lossless(algorithm,
         results = await run_batch(client, prompts, params)
         for _ in range(50):
             stats = client.rank_stats()
-            if stats and stats[0].running == 0:
+            if stats and stats[0].running == 0 and stats[0].spec_steps > 0:     # a report after the run
                 break
             await asyncio.sleep(0.2)
     assert [t for t, _ in results] == [ref[:p.max_new_tokens] for ref, p in zip(reference, params)]
@@ -117,11 +117,11 @@ async def test_aborts_mid_speculation_free_every_slot(prompts):
         for stream in streams[1::2]:
             await stream.aclose()
         for _ in range(100):
-            stats = client.rank_stats()
-            if stats and stats[0].kv_used == 0 and stats[0].running == 0:
+            stats = client.rank_stats()       # spec_steps > 0: a report from after decoding began
+            if stats and stats[0].spec_steps > 0 and stats[0].kv_used == 0 and stats[0].running == 0:
                 break
             await asyncio.sleep(0.2)
-        assert stats[0].kv_used == 0 and stats[0].running == 0 and stats[0].waiting == 0
+        assert stats[0].spec_steps > 0 and stats[0].kv_used == 0 and stats[0].running == 0 and stats[0].waiting == 0
 
 
 async def test_two_data_parallel_ranks_and_stream_interval(prompts, reference):
