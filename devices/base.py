@@ -71,6 +71,9 @@ class Device(ABC):
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
 
+    def set_threads(self, threads: int) -> None:
+        """Host threads of the stream's work (the CPU device's torch threads; others ignore it)."""
+
     def mark(self) -> Any:
         """A point on the stream, for timing phases of launched work (call on the stream)."""
         return time.perf_counter()

@@ -23,7 +23,6 @@ class CpuDevice(Device):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-stream")
         self.rest_error: BaseException | None = None    # from a Deferred's rest: the next launch raises it
         self.threads = 0                                 # 0: torch's default
-        self.threads_set = 0
 
     def set_threads(self, threads: int) -> None:
         """Intra-op threads of the stream's work. Set in the worker thread itself, so the rank
@@ -45,9 +44,8 @@ class CpuDevice(Device):
             launched.started = now()
             # In the worker thread at its next launch, i.e. after the model was loaded: set before
             # that (right at start-up) the same 2 threads ran plain decoding 2.9x slower here.
-            if self.threads != self.threads_set:
+            if self.threads and torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
-                self.threads_set = self.threads
             try:
                 if self.rest_error is not None:
                     error, self.rest_error = self.rest_error, None

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from devices.base import create_device
-from devices.cpu import CpuDevice
 from engine.args import ServerArgs
 from engine.messages import RankReady, ToRank
 from engine.rank import Rank
@@ -36,8 +35,7 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     reader, writer = await asyncio.open_unix_connection(socket_path)
     channel = Channel(reader, writer, ToRank)
     device = create_device(args.device, rank)
-    if isinstance(device, CpuDevice):
-        device.set_threads(cpu_threads(args))
+    device.set_threads(cpu_threads(args))
     # eos ids come from the checkpoint's own config files
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(args.model_path)

@@ -170,8 +170,9 @@ class Scheduler:
             self.make_room_for(decodes)
             decodes = [r for r in decodes if r.status is Status.RUNNING]
             if spec:
-                decodes = [r for r in decodes if self.tokens_wanted(r) > 0]   # the rest finish with a step in flight
-                batch.chain = self.chain_length(decodes) if decodes else 0
+                wanted = {req.rid: self.tokens_wanted(req) for req in decodes}
+                decodes = [r for r in decodes if wanted[r.rid] > 0]        # the rest finish with a step in flight
+                batch.chain = self.chain_length(decodes, max(wanted.values(), default=0))
             for req in decodes:
                 self.feed_spec(batch, req) if spec else self.feed(batch, req, 1)
             if spec and batch.seqs:
@@ -204,18 +205,21 @@ class Scheduler:
             if seq.last_chunk:
                 req.draft_lag = 0 if req.draft_end == end else end - 1 - req.draft_end
 
-    def chain_length(self, decodes: list[Request]) -> int:
+    def chain_length(self, decodes: list[Request], most_wanted: int) -> int:
         """Draft tokens per request for a speculative decode step: none under load, and, for an
-        all-greedy batch, never more than its requests can still use (max_new_tokens, context).
+        all-greedy batch, never more than its requests can still use (most_wanted: the largest
+        tokens_wanted among them).
         The cap depends on timing (what was processed when), so it is kept from sampling
         batches: a seeded request must see the same chain lengths in every run."""
         off, k = self.config.spec_off_batch_size, self.config.spec_tokens - 1
+        if not decodes:
+            return 0
         if off and len(decodes) >= off:
             self.spec_off_steps += 1
             return 0
         if not all(r.params.greedy for r in decodes):
             return k
-        return max(0, min(k, max(self.tokens_wanted(r) for r in decodes) - 1))
+        return max(0, min(k, most_wanted - 1))
 
     def tokens_wanted(self, req: Request) -> int:
         """Most tokens the request can still emit, given that every step in flight emits at least one."""

@@ -72,6 +72,15 @@ class SpecWorker(ABC):
         self.bonus[rows] = sampled
         return rows
 
+    def chain_trim(self, k: int, sb: SamplingBatch, dev: torch.device) -> "ConfidenceTrim | None":
+        """The per-row trimming of this step's chain of k drafts, where chains are trimmed."""
+        return ConfidenceTrim(sb.greedy.to(dev)) if k and self.trims else None
+
+    def advance(self, rows: torch.Tensor, L: torch.Tensor, v: "Verified") -> None:
+        """After acceptance: each row's cache holds n+1 more tokens and its bonus is the last emitted."""
+        self.kv_len[rows] = L + v.n + 1
+        self.bonus[rows] = v.emitted[torch.arange(rows.shape[0], device=rows.device), v.n]
+
     def take_phase_times(self) -> list[tuple[str, float]]:
         """(phase, seconds) of the oldest finished decode step; call once per finished step."""
         marks = self.phase_marks.popleft()

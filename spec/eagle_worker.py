@@ -28,8 +28,7 @@ import torch
 from engine.models.attention import chain_step_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import ConfidenceTrim, SpecWorker, top_choice
-
+from spec.base import SpecWorker, top_choice
 
 
 class EagleWorker(SpecWorker):
@@ -99,7 +98,7 @@ class EagleWorker(SpecWorker):
         runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
-        trim = ConfidenceTrim(sb.greedy.to(dev)) if k and self.trims else None
+        trim = self.chain_trim(k, sb, dev)
         if trim and not trim.keep(self.first_confidence[rows]):
             k = 0                                               # no row believes its first draft
         drafts = [self.draft_first[rows]][:k]
@@ -125,9 +124,7 @@ class EagleWorker(SpecWorker):
         features = v.out.aux_hidden if self.needs_aux else v.out.hidden
         g_all = self.head(v.flat_emitted(), features, dataclasses.replace(v.attn, kv=self.draft_kv))
         self.seed_rows(rows, g_all[v.flat_index(v.n)], sb, salt=30)
-        pick = torch.arange(batch, device=dev)
-        self.kv_len[rows] = L + v.n + 1
-        self.bonus[rows] = v.emitted[pick, v.n]
+        self.advance(rows, L, v)
         self.mark("extend", marks)
         self.phase_marks.append(marks)
         return runner.step_result(v.emitted, v.n, v.logits, sb)

@@ -86,11 +86,8 @@ class NgramWorker(SpecWorker):
         vocab = self.runner.vocab_size
         one_hot = lambda: torch.zeros(batch, drafts.shape[1], vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)  # noqa: E731
         v = self.verify(inp, rows, L, drafts, one_hot, widths=widths)
-        logits, emitted, n = v.logits, v.emitted, v.n
-        pick = torch.arange(batch, device=dev)
-        self.history.write_step(rows, L, emitted)
-        self.kv_len[rows] = L + n + 1
-        self.bonus[rows] = emitted[pick, n]
+        self.history.write_step(rows, L, v.emitted)
+        self.advance(rows, L, v)
         self.mark("verify", marks)
         self.phase_marks.append(marks)
-        return runner.step_result(emitted, n, logits, sb)
+        return runner.step_result(v.emitted, v.n, v.logits, sb)

@@ -34,11 +34,12 @@ import torch
 from engine.models.attention import build_attention_batch, chain_step_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import ConfidenceTrim, SpecWorker, TokenHistory, top_choice
+from spec.base import SpecWorker, TokenHistory, top_choice
 
 
 class StandaloneWorker(SpecWorker):
     catches_up = True          # draft_lag: plain steps and skipped prompt chunks
+
     def __init__(self, runner):
         super().__init__(runner)
         dev = runner.device.torch_device
@@ -92,7 +93,7 @@ class StandaloneWorker(SpecWorker):
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
         drafts, qs = [], []
-        trim = ConfidenceTrim(sb.greedy.to(dev)) if k and self.trims else None
+        trim = self.chain_trim(k, sb, dev)
         if k:
             token, q, confidence = self.propose(self.catch_up(inp, rows, L), sb, salt=1)
             if trim and not trim.keep(confidence):
@@ -112,11 +113,8 @@ class StandaloneWorker(SpecWorker):
         self.mark("draft", marks)
         v = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1),
                         widths=trim.widths() if trim else None)
-        logits, emitted, n = v.logits, v.emitted, v.n
-        pick = torch.arange(batch, device=dev)
-        self.history.write_step(rows, L, emitted)
-        self.kv_len[rows] = L + n + 1
-        self.bonus[rows] = emitted[pick, n]
+        self.history.write_step(rows, L, v.emitted)
+        self.advance(rows, L, v)
         self.mark("verify", marks)
         self.phase_marks.append(marks)
-        return runner.step_result(emitted, n, logits, sb)
+        return runner.step_result(v.emitted, v.n, v.logits, sb)

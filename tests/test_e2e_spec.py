@@ -18,7 +18,7 @@ SPEC = {
     "eagle": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(REPO / "models/tandem-dense-eagle")],
     "eagle3": ["--speculative-algorithm", "eagle3", "--speculative-draft-model-path",
                str(REPO / "models/tandem-dense-eagle3")],
-    # the embedded 2-layer draft, drafting at every batch size (its default turns off from 8)
+    # the embedded 2-layer draft, drafting at every batch size (its default turns off from 2)
     "standalone": ["--speculative-algorithm", "standalone", "--speculative-disable-by-batch-size", "0"],
     "ngram": ["--speculative-algorithm", "ngram"],
 }
