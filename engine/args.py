@@ -24,6 +24,8 @@ DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # the README: where speculation stops paying, plain steps are cheaper.
 # standalone: measured on the 2-core CPU (bench/results/standalone_off.txt), its 2-layer draft pays only
 # for one request at a time; on a GPU, where a draft step is cheap next to the target, pass a larger N or 0.
+# A head folder may ship its token map under this name (used unless --speculative-token-map says otherwise).
+TOKEN_MAP_FILE = "token_map.pt"
 DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 2, "ngram": 0}
 
 
@@ -63,6 +65,11 @@ class ServerArgs:
     speculative_draft_model_path: str | None = flag(None, "Draft model folder (EAGLE / EAGLE-3 head, or a small LM for "
                                                           "standalone); default for the embedded model: its EAGLE / "
                                                           "EAGLE-3 head or its 2-layer draft (tandem-dense-draft).")
+    speculative_token_map: str | None = flag(None, "EAGLE / EAGLE-3 heads over the target's vocabulary: a file of "
+                                                   "frequent token ids (torch.save of a list or 1-D tensor, as SGLang "
+                                                   "reads it); drafts come only from those tokens, and each draft step "
+                                                   f"reads only their LM head rows. Default: the head folder's "
+                                                   f"{TOKEN_MAP_FILE} if it has one; none: the whole vocabulary.")
     speculative_num_steps: int | None = flag(None, "Draft tokens proposed per step (chain length); default: "
                                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_NUM_STEPS.items()) + ".")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")
@@ -124,6 +131,17 @@ class ServerArgs:
             return DEFAULT_DRAFTS[self.spec_algorithm]
         return None
 
+    @property
+    def token_map_path(self) -> str | None:
+        """The token map the EAGLE head drafts from (None: the whole vocabulary)."""
+        given = self.speculative_token_map
+        if self.spec_algorithm not in ("eagle", "eagle3") or (given or "").lower() == "none":
+            return None
+        if given:
+            return given
+        shipped = Path(self.draft_model_path or "") / TOKEN_MAP_FILE
+        return str(shipped) if self.draft_model_path and shipped.is_file() else None
+
     def validate(self) -> None:
         """Refuse contradictory flags with a message naming them."""
         if self.speculative_eagle_topk != 1:
@@ -135,6 +153,9 @@ class ServerArgs:
                              f"({self.num_steps + 1}) for chain drafts")
         if self.spec_algorithm in ("eagle", "eagle3", "standalone") and not self.draft_model_path:
             raise ValueError(f"--speculative-algorithm {self.spec_algorithm} needs --speculative-draft-model-path")
+        if (self.speculative_token_map or "none").lower() != "none" and self.spec_algorithm not in ("eagle", "eagle3"):
+            raise ValueError(f"--speculative-token-map applies to EAGLE / EAGLE-3 heads, not to "
+                             f"--speculative-algorithm {self.spec_algorithm}")
         if (self.speculative_disable_by_batch_size or 0) < 0:
             raise ValueError("--speculative-disable-by-batch-size must be >= 0")
         if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,

@@ -14,7 +14,7 @@ import torch
 from devices.base import Deferred, Device, Launched
 from engine.args import ServerArgs
 from engine.future_map import FutureMap
-from engine.models.attention import KVCache, build_attention_batch
+from engine.models.attention import KVCache, attention_groups, build_attention_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, sample, token_logprobs
 from engine.scheduler import ScheduledBatch, StepOutput
@@ -46,6 +46,7 @@ class BatchInputs:
     chain: int                     # speculative decode: draft tokens per request (0: a plain step under load)
     draft_lag: torch.Tensor        # speculative decode: tokens each request's draft model has not read yet
     draft_skip: bool = False       # speculation, prefill: the draft model does not read this batch
+    groups: list | None = None     # attention parts (host indices): decodes apart from prompt chunks
 
 
 def resolve_dtype(name: str, device: Device) -> torch.dtype:
@@ -78,7 +79,7 @@ class ModelRunner:
         log.info("loaded %s (%s, %s) on %s; KV cache: %d tokens, context %d; speculation: %s",
                  Path(args.model_path).name, self.hf_config.architectures[0], self.dtype, dev,
                  self.num_slots, self.context_length,
-                 f"{args.spec_algorithm}, {args.num_steps} steps" if self.spec else "off")
+                 self.spec.describe() if self.spec else "off")
 
     def kv_capacity(self, bytes_per_slot: int) -> int:
         args = self.args
@@ -117,7 +118,8 @@ class ModelRunner:
             sample_rows=long(sample_rows), future_ids=long(future_ids), max_q=batch.max_q, max_kv=batch.max_kv,
             sampling=SamplingBatch.build(batch.sample_params, positions, self.vocab_size, torch.device("cpu")),
             draft_next=long(batch.draft_next), spec_decode=batch.is_spec_decode, chain=batch.chain,
-            draft_lag=long(lags), draft_skip=batch.draft_skip)
+            draft_lag=long(lags), draft_skip=batch.draft_skip,
+            groups=attention_groups(q_lens, kv_lens, "cpu") if not batch.is_spec_decode else None)
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         inputs = self.prepare(batch)
@@ -138,7 +140,8 @@ class ModelRunner:
         self.update_table(inp)
         input_ids = self.futures.resolve(put(inp.input_ids))
         attn = build_attention_batch(put(inp.q_lens), put(inp.kv_lens), put(inp.rows), self.req_to_slot,
-                                     inp.max_q, inp.max_kv, self.kv)
+                                     inp.max_q, inp.max_kv, self.kv, groups=inp.groups and [
+                                         (put(seqs), max_q, max_k) for seqs, max_q, max_k in inp.groups])
         out = self.model(input_ids, attn, capture_aux=self.spec is not None and self.spec.needs_aux)
         if inp.sample_rows.numel() == 0:
             if self.spec:

@@ -53,6 +53,11 @@ class SpecWorker(ABC):
         # chains are trimmed per row (ConfidenceTrim, verify's widths) only where that costs no sync
         self.trims = runner.device.free_host_reads
 
+    def describe(self) -> str:
+        """For the start-up log line."""
+        args = self.runner.args
+        return f"{args.spec_algorithm}, {args.num_steps} steps"
+
     def mark(self, phase: str, marks: list) -> None:
         """Record the end of a phase (draft, verify, extend) of the step being launched."""
         marks.append((phase, self.runner.device.mark()))

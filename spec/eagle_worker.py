@@ -35,7 +35,8 @@ class EagleWorker(SpecWorker):
     def __init__(self, runner):
         super().__init__(runner)
         dev = runner.device.torch_device
-        self.head, _ = load_draft(runner.args.draft_model_path, runner.model, runner.dtype, dev)
+        args = runner.args
+        self.head, _ = load_draft(args.draft_model_path, runner.model, runner.dtype, dev, token_map=args.token_map_path)
         self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
         rows, vocab = runner.num_rows, runner.vocab_size
         self.draft_first = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -44,6 +45,11 @@ class EagleWorker(SpecWorker):
         self.first_confidence = torch.zeros(rows, dtype=torch.float32, device=dev)
         self.draft_ids = self.head.draft_to_target(torch.arange(self.head.compute_logits(
             torch.zeros(1, self.head.hidden_size, dtype=runner.dtype, device=dev)).shape[-1], device=dev))
+
+    def describe(self) -> str:
+        hot = self.head.hot_ids
+        return super().describe() + (f", token map of {hot.numel()} / {self.runner.vocab_size} tokens"
+                                     if hot is not None else "")
 
     def draft_kv_layout(self) -> tuple[int, int, int]:
         return self.head.kv_layout()

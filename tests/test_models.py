@@ -657,3 +657,29 @@ def test_chain_step_batch_attends_like_the_general_builder():
         snapshot = KVCache(k=[kv.k[0].clone()], v=[kv.v[0].clone()])
         outs.append(paged_attention(q, k, v, 0, dataclasses.replace(batch, kv=snapshot), 8 ** -0.5))
     torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_decodes_and_prompt_chunks_attend_apart_like_one_padded_batch():
+    """A batch of decodes around prompt chunks: attention_groups pads each group to its own widths
+    (the decodes to one query), and the output is that of the whole batch padded to its widest."""
+    from engine.models.attention import KVCache, attention_groups, build_attention_batch, paged_attention
+    gen = torch.Generator().manual_seed(1)
+    kv = KVCache.allocate(1, 256, 2, 8, torch.float32)
+    kv.k[0].normal_(generator=gen)
+    kv.v[0].normal_(generator=gen)
+    table = torch.randperm(256, generator=gen)[:240].view(4, 60)
+    q_lens, kv_lens, rows = [1, 9, 1, 4], [30, 9, 51, 20], [3, 0, 2, 1]      # decode, chunk, decode, chunk
+    groups = attention_groups(q_lens, kv_lens, "cpu")
+    assert [(seqs.tolist(), q, k) for seqs, q, k in groups] == [([0, 2], 1, 51), ([1, 3], 9, 20)]
+    assert attention_groups([1, 1], [5, 9], "cpu") is None and attention_groups([3, 4], [5, 9], "cpu") is None
+    tokens = sum(q_lens)
+    q, k, v = (torch.randn(tokens, h, 8, generator=gen) for h in (4, 2, 2))
+    long = lambda values: torch.tensor(values)  # noqa: E731
+    outs = []
+    for split in (None, groups):
+        batch = build_attention_batch(long(q_lens), long(kv_lens), long(rows), table, 9, 51, kv, groups=split)
+        assert len(batch.parts) == (1 if split is None else 2)
+        snapshot = KVCache(k=[kv.k[0].clone()], v=[kv.v[0].clone()])
+        outs.append(paged_attention(q, k, v, 0, dataclasses.replace(batch, kv=snapshot), 8 ** -0.5))
+    assert outs[1].shape == (tokens, 4, 8)
+    torch.testing.assert_close(outs[1], outs[0])

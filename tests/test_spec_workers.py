@@ -296,6 +296,39 @@ def test_eagle_chain_ends_before_the_first_unconfident_draft(algorithm, sampling
     assert any(rows == 2 and tokens < 2 * (w + 1) for (_, w), (rows, tokens) in zip(widths, verified))
 
 
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_eagle_with_a_token_map_drafts_only_mapped_tokens(monkeypatch, sampling):
+    """The embedded EAGLE head with the token map it ships: every draft (greedy or sampled) is a
+    mapped token, and greedy output stays that of no speculation."""
+    from transformers import AutoTokenizer
+    from spec.eagle_worker import EagleWorker
+    from tests.e2e_prompts import CODE_PROMPTS
+    repo = Path(__file__).resolve().parent.parent
+    target, head = repo / "models" / "tandem-dense", repo / "models" / "tandem-dense-eagle"
+    hot = set(torch.load(head / "token_map.pt").tolist())
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok.encode(CODE_PROMPTS[1]), tok.encode(CODE_PROMPTS[3])]
+    params = [SamplingParams(max_new_tokens=32, temperature=1.0, seed=3, ignore_eos=True) if sampling
+              else SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)] * 2
+    drafted: list[int] = []
+    propose = EagleWorker.propose
+
+    def recorded(self, hidden, sb, salt):
+        token, q, confidence = propose(self, hidden, sb, salt)
+        drafted.extend(token.tolist())
+        if q is not None:                      # the draft distribution lives on the mapped tokens only
+            assert float(q.sum(-1).min()) > 0.99 and set(q.nonzero()[:, 1].tolist()) <= hot
+        return token, q, confidence
+    monkeypatch.setattr(EagleWorker, "propose", recorded)
+    flags = ["--model-path", str(target), "--speculative-algorithm", "eagle"]
+    outputs, _, _ = generate_in_process(flags, prompts, params=params)
+    assert len(drafted) > 20 and set(drafted) <= hot
+    if not sampling:
+        reference = generate_in_process(["--model-path", str(target), "--speculative-algorithm", "none"], prompts,
+                                        params=params)[0]
+        assert outputs == reference
+
+
 def test_ngram_rows_verify_their_own_widths(models, in_process_reference):
     """Two greedy rows in one batch: one repeats its prompt's pattern (a long match: k drafts),
     the other has no token that recurs (no match at first: none). The verify forward reads each

@@ -6,10 +6,18 @@ Layout of one forward (B sequences, T tokens in all):
   input tokens   [T]         sequence b owns tokens q_start[b] .. q_start[b]+q_len[b]
   positions      [T]         absolute position of each token in its sequence
   write_slots    [T]         KV slot each token's K/V is written to
+
+and, per part (a group of the sequences, padded to its own widths Q and K; one part unless
+the CPU split the batch, see attention_groups):
+
   read_slots     [B, K]      slot of key position j of sequence b (j < kv_len[b]; padding reads slot 0)
   query_rows     [B, Q]      which of the T tokens is query i of sequence b (padding repeats a real row)
   mask           [B, 1, Q, K] key j is visible to query i  <=>  j <= pos(i) and j < kv_len[b]
-  token_rows     [T]         where token t's output sits in the flattened [B*Q] result
+  token_rows     [n]         where the part's real queries sit in its flattened [B*Q] result
+  out_rows       [n]         which of the T tokens those are (None: all T, in order)
+
+Padding every sequence to the batch's widest would make a decode next to a 200-token prompt
+chunk attend like 200 queries (measured: a mixed step 3.4x the cost of its two halves).
 
 Every tensor here is built with torch ops from four inputs (q_lens, kv_lens, the
 request rows and the request->slot table), so the same builder runs on CPU data
@@ -44,48 +52,84 @@ class KVCache:
 
 
 @dataclass
-class AttentionBatch:
-    positions: torch.Tensor
-    write_slots: torch.Tensor
+class AttentionPart:
+    """The attention of some of a batch's sequences (see the module docstring)."""
     read_slots: torch.Tensor
     query_rows: torch.Tensor
     mask: torch.Tensor
     token_rows: torch.Tensor
+    out_rows: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionBatch:
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    parts: list[AttentionPart]
     kv: KVCache
 
-    @property
-    def is_single_query(self) -> bool:
-        return self.query_rows.shape[1] == 1
+
+# A group of a batch's sequences: (their indices [G] on the cache's device, max q_len, max kv_len among them).
+Group = tuple[torch.Tensor, int, int]
+
+
+def attention_groups(q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> list[Group] | None:
+    """Host-known lengths: split single-token sequences (decodes) from prompt chunks when a batch
+    has both, so each group is padded to its own widths. None: one group (nothing to gain)."""
+    single = [i for i, q in enumerate(q_lens) if q == 1]
+    if not single or len(single) == len(q_lens):
+        return None
+    chunks = [i for i, q in enumerate(q_lens) if q > 1]
+    return [(torch.tensor(single, dtype=torch.long, device=device), 1, max(kv_lens[i] for i in single)),
+            (torch.tensor(chunks, dtype=torch.long, device=device), max(q_lens[i] for i in chunks),
+             max(kv_lens[i] for i in chunks))]
 
 
 def build_attention_batch(q_lens: torch.Tensor, kv_lens: torch.Tensor, req_rows: torch.Tensor,
                           req_to_slot: torch.Tensor, max_q: int, max_k: int,
-                          kv: KVCache) -> AttentionBatch:
+                          kv: KVCache, groups: list[Group] | None = None) -> AttentionBatch:
     """q_lens, kv_lens, req_rows: [B] long tensors on the cache's device; kv_lens count
     the new tokens too. req_to_slot: [rows, context] slot table. max_q >= q_lens.max(),
-    max_k >= kv_lens.max()."""
+    max_k >= kv_lens.max(). groups (from attention_groups): parts padded apart."""
     device = q_lens.device
     batch = q_lens.shape[0]
     q_start = torch.cumsum(q_lens, 0) - q_lens                       # [B]
+    first_pos = kv_lens - q_lens                                     # [B]
     q_idx = torch.arange(max_q, device=device)                       # [Q]
     valid_q = q_idx[None, :] < q_lens[:, None]                       # [B, Q]
-    first_pos = kv_lens - q_lens                                     # [B]
+    query_pos = torch.where(valid_q, first_pos[:, None] + q_idx[None, :], torch.zeros_like(valid_q, dtype=torch.long))
+    flat_valid = valid_q.reshape(-1)
+    positions = query_pos.reshape(-1)[flat_valid]
+    seq_of_token = torch.arange(batch, device=device).repeat_interleave(max_q)[flat_valid]
+    write_slots = req_to_slot[req_rows[seq_of_token], positions]
+    if groups is None:
+        parts = [attention_part(q_start, q_lens, kv_lens, first_pos, req_rows, req_to_slot, max_q, max_k, False)]
+    else:
+        parts = [attention_part(q_start[seqs], q_lens[seqs], kv_lens[seqs], first_pos[seqs], req_rows[seqs],
+                                req_to_slot, group_q, group_k, True) for seqs, group_q, group_k in groups]
+    return AttentionBatch(positions=positions, write_slots=write_slots, parts=parts, kv=kv)
+
+
+def attention_part(q_start: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, first_pos: torch.Tensor,
+                   req_rows: torch.Tensor, req_to_slot: torch.Tensor, max_q: int, max_k: int,
+                   subset: bool) -> AttentionPart:
+    """The part of sequences [G] (their token offsets q_start into the batch); subset: not all of it."""
+    device = q_lens.device
+    q_idx = torch.arange(max_q, device=device)
+    valid_q = q_idx[None, :] < q_lens[:, None]                       # [G, Q]
     query_pos = torch.where(valid_q, first_pos[:, None] + q_idx[None, :], torch.zeros_like(valid_q, dtype=torch.long))
     last_row = (q_start + q_lens - 1).clamp(min=0)
     query_rows = torch.where(valid_q, q_start[:, None] + q_idx[None, :], last_row[:, None])
     flat_valid = valid_q.reshape(-1)
-    token_rows = torch.arange(batch * max_q, device=device)[flat_valid]
-    positions = query_pos.reshape(-1)[flat_valid]
-    seq_of_token = torch.arange(batch, device=device).repeat_interleave(max_q)[flat_valid]
-    write_slots = req_to_slot[req_rows[seq_of_token], positions]
+    token_rows = torch.arange(q_lens.shape[0] * max_q, device=device)[flat_valid]
     k_idx = torch.arange(max_k, device=device)
     read_slots = req_to_slot[:, :max_k].index_select(0, req_rows)
-    visible_k = k_idx[None, :] < kv_lens[:, None]                    # [B, K]
+    visible_k = k_idx[None, :] < kv_lens[:, None]                    # [G, K]
     read_slots = torch.where(visible_k, read_slots, torch.zeros_like(read_slots))
-    causal = k_idx[None, None, :] <= query_pos[:, :, None]           # [B, Q, K]
+    causal = k_idx[None, None, :] <= query_pos[:, :, None]           # [G, Q, K]
     mask = (causal & visible_k[:, None, :]).unsqueeze(1)
-    return AttentionBatch(positions=positions, write_slots=write_slots, read_slots=read_slots,
-                          query_rows=query_rows, mask=mask, token_rows=token_rows, kv=kv)
+    return AttentionPart(read_slots=read_slots, query_rows=query_rows, mask=mask, token_rows=token_rows,
+                         out_rows=query_rows.reshape(-1)[flat_valid] if subset else None)
 
 
 def chain_step_batch(positions: torch.Tensor, table_slots: torch.Tensor, kv: KVCache) -> AttentionBatch:
@@ -96,9 +140,9 @@ def chain_step_batch(positions: torch.Tensor, table_slots: torch.Tensor, kv: KVC
     device = positions.device
     k_idx = torch.arange(width, device=device)
     rows = torch.arange(batch, device=device)
-    return AttentionBatch(positions=positions, write_slots=table_slots[rows, positions], read_slots=table_slots,
-                          query_rows=rows[:, None], mask=(k_idx[None, :] <= positions[:, None])[:, None, None, :],
-                          token_rows=rows, kv=kv)
+    part = AttentionPart(read_slots=table_slots, query_rows=rows[:, None],
+                         mask=(k_idx[None, :] <= positions[:, None])[:, None, None, :], token_rows=rows)
+    return AttentionBatch(positions=positions, write_slots=table_slots[rows, positions], parts=[part], kv=kv)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -111,14 +155,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
     k_cache, v_cache = batch.kv.k[layer_id], batch.kv.v[layer_id]
     k_cache.index_copy_(0, batch.write_slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, batch.write_slots, v.to(v_cache.dtype))
-    seqs, width = batch.read_slots.shape
-    slots = batch.read_slots.reshape(-1)
+    if len(batch.parts) == 1 and batch.parts[0].out_rows is None:
+        return attend(q, k_cache, v_cache, batch.parts[0], scale)
+    out = q.new_empty(q.shape)
+    for part in batch.parts:
+        out.index_copy_(0, part.out_rows, attend(q, k_cache, v_cache, part, scale))
+    return out
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: AttentionPart,
+           scale: float) -> torch.Tensor:
+    """One part's queries over its sequences' cached keys: [n, H, D], in token_rows order."""
+    seqs, width = part.read_slots.shape
+    slots = part.read_slots.reshape(-1)
     keys = k_cache.index_select(0, slots).view(seqs, width, *k_cache.shape[1:]).transpose(1, 2)   # [B, Hkv, K, D]
     values = v_cache.index_select(0, slots).view(seqs, width, *v_cache.shape[1:]).transpose(1, 2)
-    queries = q.index_select(0, batch.query_rows.reshape(-1)).view(seqs, -1, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, D]
+    queries = q.index_select(0, part.query_rows.reshape(-1)).view(seqs, -1, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, D]
     if keys.dtype != queries.dtype:
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=scale,
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask, scale=scale,
                                          enable_gqa=keys.shape[1] != queries.shape[1])
     out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])     # [B*Q, H, D]
-    return out.index_select(0, batch.token_rows)
+    return out.index_select(0, part.token_rows)

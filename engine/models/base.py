@@ -45,7 +45,14 @@ class CausalLM(nn.Module, ABC):
 
 
 class DraftHead(nn.Module, ABC):
-    """An EAGLE-style draft head that conditions on the target's hidden states."""
+    """An EAGLE-style draft head that conditions on the target's hidden states.
+
+    Its LM head is `lm_head` (its own) or `lm_head_shared` (the target's, bound by bind_target);
+    a token map (`restrict_vocab`) keeps only the rows of frequent target tokens."""
+
+    lm_head: nn.Linear | None
+    lm_head_shared: torch.Tensor | None
+    hot_ids: torch.Tensor | None = None      # token map: draft id i is target id hot_ids[i]
 
     @abstractmethod
     def bind_target(self, target: CausalLM) -> None:
@@ -63,7 +70,24 @@ class DraftHead(nn.Module, ABC):
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (identity unless the head has a reduced vocabulary)."""
-        return ids
+        return ids if self.hot_ids is None else self.hot_ids[ids]
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """[draft_vocab, H]: the LM head the drafts are read from."""
+        return self.lm_head.weight if self.lm_head is not None else self.lm_head_shared
+
+    def restrict_vocab(self, hot_ids: torch.Tensor) -> None:
+        """Token map (SGLang's --speculative-token-map, after FR-Spec): draft only the target tokens
+        `hot_ids` [N] (sorted, unique, in range). The LM head becomes a copy of those N rows, so each
+        draft step's logits cost N / vocab of the full head's; a head with its own reduced draft
+        vocabulary refuses (its rows are not target ids)."""
+        weight = self.lm_head_weight()
+        if weight.shape[0] != self.vocab_size:
+            raise ValueError(f"the head already drafts from its own vocabulary of {weight.shape[0]} tokens; "
+                             f"a token map applies to heads over the target's {self.vocab_size}")
+        self.lm_head = None
+        self.lm_head_shared = weight.detach().index_select(0, hot_ids.to(weight.device)).contiguous()
+        self.hot_ids = hot_ids.to(weight.device)
 
     @abstractmethod
     def kv_layout(self) -> tuple[int, int, int]:

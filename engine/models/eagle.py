@@ -71,5 +71,4 @@ class LlamaForCausalLMEagle(DraftHead):
         return self.layers[0](x, cos, sin, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight if self.lm_head is not None else self.lm_head_shared
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.lm_head_weight()).float()

@@ -132,8 +132,9 @@ class LlamaForCausalLMEagle3(DraftHead):
         return self.midlayer(embeds, hidden, cos, sin, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight if self.lm_head is not None else self.lm_head_shared
-        return F.linear(self.norm(hidden), weight).float()
+        return F.linear(self.norm(hidden), self.lm_head_weight()).float()
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.d2t is None else ids + self.d2t[ids]
+        if self.hot_ids is not None or self.d2t is None:         # a token map, or the full vocabulary
+            return super().draft_to_target(ids)
+        return ids + self.d2t[ids]

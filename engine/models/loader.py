@@ -2,6 +2,7 @@
 
     model, config = load_model(path, dtype, device)          # a target (CausalLM)
     head, config = load_draft(path, target, dtype, device)   # an EAGLE head, bound to the target
+    hot_ids = load_token_map(path, vocab_size)               # a token map: head.restrict_vocab(hot_ids)
 
 The model is built on the `meta` device (no init cost), then every parameter and persistent
 buffer is assigned from the checkpoint. Checkpoint names map to Tandem names by:
@@ -63,8 +64,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
 
 
 def load_draft(path: str | Path, target: CausalLM, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[DraftHead, SimpleNamespace]:
-    """EAGLE / EAGLE-3 head bound to `target` (shared embeddings / LM head, aux capture layers).
+               device: torch.device | str = "cpu",
+               token_map: str | Path | None = None) -> tuple[DraftHead, SimpleNamespace]:
+    """EAGLE / EAGLE-3 head bound to `target` (shared embeddings / LM head, aux capture layers),
+    drafting only the token map's ids when one is given.
     Its config is config.json read as plain attributes (EAGLE layouts are not transformers models)."""
     folder = Path(path)
     cls = architecture_class(folder)
@@ -73,7 +76,33 @@ def load_draft(path: str | Path, target: CausalLM, dtype: torch.dtype | str = to
     config = SimpleNamespace(**read_config_json(folder))
     head = build_and_load(cls, config, folder, resolve_dtype(dtype, device), device)
     head.bind_target(target)
+    if token_map is not None:
+        try:
+            head.restrict_vocab(load_token_map(token_map, head.vocab_size))
+        except ValueError as exc:
+            raise CheckpointError(f"--speculative-token-map {token_map} with the head in {folder}: {exc}") from exc
     return head, config
+
+
+def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
+    """A token map as SGLang reads one (`torch.save` of a list or 1-D tensor of target token ids):
+    the ids, sorted, as a long tensor; a clear CheckpointError for anything else."""
+    file = Path(path)
+    if not file.is_file():
+        raise CheckpointError(f"token map {file} does not exist")
+    try:
+        ids = torch.as_tensor(torch.load(file, map_location="cpu", weights_only=True))
+    except Exception as exc:                    # not a torch file, or not plain data
+        raise CheckpointError(f"token map {file} is not a torch.save'd list or tensor of token ids: {exc}") from exc
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise CheckpointError(f"token map {file} must hold a non-empty 1-D list of integer token ids "
+                              f"(found {ids.dtype} of shape {tuple(ids.shape)})")
+    ids = ids.long().sort().values
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise CheckpointError(f"token map {file} holds ids outside the target vocabulary 0..{vocab_size - 1}")
+    if bool((ids[1:] == ids[:-1]).any()):
+        raise CheckpointError(f"token map {file} repeats token ids")
+    return ids
 
 
 def read_config_json(folder: Path) -> dict:

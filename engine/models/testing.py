@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.attention import AttentionBatch, KVCache, build_attention_batch
+from engine.models.attention import AttentionBatch, KVCache, attention_groups, build_attention_batch
 
 
 class PagedRunner:
@@ -40,7 +40,8 @@ class PagedRunner:
         kv_lens = [self.lengths[row] for row in rows]
         as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         batch = build_attention_batch(as_long(q_lens), as_long(kv_lens), as_long(rows), self.req_to_slot,
-                                      max_q=max(q_lens), max_k=max(kv_lens), kv=self.kv)
+                                      max_q=max(q_lens), max_k=max(kv_lens), kv=self.kv,
+                                      groups=attention_groups(q_lens, kv_lens, self.device))
         input_ids = as_long([token for _, tokens in chunks for token in tokens])
         return input_ids, batch
 
