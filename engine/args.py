@@ -24,8 +24,6 @@ DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # the README: where speculation stops paying, plain steps are cheaper.
 # standalone: measured on the 2-core CPU (bench/results/standalone_off.txt), its 2-layer draft pays only
 # for one request at a time; on a GPU, where a draft step is cheap next to the target, pass a larger N or 0.
-# A head folder may ship its token map under this name (used unless --speculative-token-map says otherwise).
-TOKEN_MAP_FILE = "token_map.pt"
 DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 2, "ngram": 0}
 
 
@@ -68,15 +66,14 @@ class ServerArgs:
     speculative_token_map: str | None = flag(None, "EAGLE / EAGLE-3 heads over the target's vocabulary: a file of "
                                                    "frequent token ids (torch.save of a list or 1-D tensor, as SGLang "
                                                    "reads it); drafts come only from those tokens, and each draft step "
-                                                   f"reads only their LM head rows. Default: the head folder's "
-                                                   f"{TOKEN_MAP_FILE} if it has one; none: the whole vocabulary.")
+                                                   "reads only their LM head rows. Default: the whole vocabulary.")
     speculative_num_steps: int | None = flag(None, "Draft tokens proposed per step (chain length); default: "
                                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_NUM_STEPS.items()) + ".")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")
     speculative_eagle_topk: int = flag(1, "Draft branching per step; only chains (1) are supported.")
     speculative_disable_by_batch_size: int | None = flag(
-        None, "Decode steps of at least this many requests draft nothing (plain decoding under load; "
-              "tandem_spec_off_steps_total counts them). 0: always draft. Default: "
+        None, "With at least this many requests decoding, decode as without speculation (prompt chunks join "
+              "the same batches; tandem_spec_off_steps_total counts the steps). 0: always draft. Default: "
               + ", ".join(f"{k} {v}" for k, v in DEFAULT_SPEC_OFF_BATCH_SIZE.items()) + ".")
     dp_size: int = flag(1, "Data-parallel ranks: independent engine processes, each with its own KV cache; "
                            "the front sends each request to the least loaded one.")
@@ -135,12 +132,9 @@ class ServerArgs:
     def token_map_path(self) -> str | None:
         """The token map the EAGLE head drafts from (None: the whole vocabulary)."""
         given = self.speculative_token_map
-        if self.spec_algorithm not in ("eagle", "eagle3") or (given or "").lower() == "none":
+        if self.spec_algorithm not in ("eagle", "eagle3") or (given or "").lower() in ("", "none"):
             return None
-        if given:
-            return given
-        shipped = Path(self.draft_model_path or "") / TOKEN_MAP_FILE
-        return str(shipped) if self.draft_model_path and shipped.is_file() else None
+        return given
 
     def validate(self) -> None:
         """Refuse contradictory flags with a message naming them."""

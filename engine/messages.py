@@ -80,7 +80,7 @@ class RankStats(msgspec.Struct, tag=True):
     spec_accept_hist: list[int] = []      # verify steps that emitted i+1 tokens, since start
     spec_phase_seconds: dict[str, float] = {}   # device seconds in draft / verify / extend, since start
     spec_steps: int = 0
-    spec_off_steps: int = 0               # speculative decode steps that drafted nothing (batch under load)
+    spec_off_steps: int = 0               # decode steps without speculation (under load)
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -158,7 +158,10 @@ class ModelRunner:
 
     def speculative_step(self, inp: BatchInputs) -> tuple:
         self.update_table(inp)
-        return self.spec.decode_step(inp)
+        result = self.spec.decode_step(inp)
+        dev = self.device.torch_device      # each request's future: its last emitted token (a plain decode's input)
+        self.futures.store(inp.future_ids.to(dev), self.spec.bonus[inp.rows.to(dev)])
+        return result
 
     def step_result(self, emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch) -> tuple:
         """Host copies of a step's outputs: emitted [B, R] tokens of which the first n+1 count,

@@ -42,7 +42,9 @@ class Request:
         self.spec_verify_ct = 0       # speculative verify steps that produced output for it
         self.spec_steps_launched = 0
         self.draft_lag = 0            # positions its draft model has to catch up on (see the scheduler)
-        self.draft_end = 0            # prompt positions its draft model has read (prefill)
+        self.draft_end = 0            # positions its draft model has read (prefill; plain decodes under load)
+        self.drafting = 0             # speculative steps with drafts in flight (its kv_len is a bound while > 0)
+        self.plain = False            # its last step was a plain decode under load (Scheduler.feed_plain)
         self.pending = 0
         self.future_id = 0
         self.finish_reason: str | None = None

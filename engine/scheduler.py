@@ -17,16 +17,24 @@ decode go in separate batches.
 
 An all-greedy step drafts no more tokens than its requests can still emit (max_new_tokens,
 the context), and a request that must finish with the steps in flight is not fed again.
-Under load (a decode batch of at least `spec_off_batch_size` requests) a step drafts
-nothing: it verifies only the bonus token, i.e. it is a plain decode step that emits
-exactly one token. A draft model that skipped such steps catches up in the next
-drafting step; `draft_lag` (plain steps since the request's draft last ran) is exact
-on the CPU because each of those steps emitted exactly one token. Such a draft
-(`draft_skips_prefill`) also skips prefill batches under load (`draft_skip`: as many
-requests running): a request whose prompt the draft did not read starts decoding with
-draft_lag = P - 1 - draft_end (P prompt tokens, the draft read the first draft_end), and
-once one of its chunks was skipped the later ones are too, so what the draft lacks is
-always the tail its catch-up reads.
+
+Under load (at least `spec_off_batch_size` decoding requests) speculation is off: the
+decodes are scheduled as without speculation, one token each, in the same batch as prompt
+chunks (`feed_plain`). To the worker such a decode is a one-token last chunk: its prefill
+hook seeds kv_len and bonus from it. Its input is the request's future, which every step
+stores (a speculative step: its last emitted token). Only a request with no drafting step
+in flight (`drafting == 0`) can be fed so, since only then is its kv_len exact; while one is
+in flight (the step where load arrives) the decodes go as a speculative step that drafts
+nothing (chain 0), which also emits exactly one token.
+
+A draft model that skipped plain steps catches up in the next drafting step; `draft_lag`
+(tokens its draft has not read) is exact on the CPU because each of those steps emitted
+exactly one token. Such a draft (`draft_skips_prefill`) also skips prefill batches under
+load (`draft_skip`: as many requests running): a request whose prompt the draft did not
+read starts decoding with draft_lag = P - 1 - draft_end (P prompt tokens, the draft read
+the first draft_end), and once one of its chunks was skipped the later ones are too, so
+what the draft lacks is always the tail its catch-up reads. A plain decode is such a
+skipped last chunk, so the same rule counts its lag.
 """
 from __future__ import annotations
 
@@ -52,6 +60,7 @@ class SeqWork:
     last_chunk: bool = False
     noise_key: int = 0  # seeded sampling: what, besides the seed, fixes this step's random draws
     draft_lag: int = 0  # speculative decode: tokens the request's draft has not read yet (plain steps)
+    plain: bool = False  # a decode under load, scheduled as without speculation (a one-token verify step)
 
     @property
     def samples(self) -> bool:
@@ -125,7 +134,7 @@ class Scheduler:
         self.step = 0
         self.next_future = 0
         self.retractions = 0
-        self.spec_off_steps = 0       # speculative decode steps that drafted nothing (under load)
+        self.spec_off_steps = 0       # decode steps without speculation (under load)
 
     # ---- intake ------------------------------------------------------------------
 
@@ -165,18 +174,26 @@ class Scheduler:
         self.step += 1
         batch = ScheduledBatch(step=self.step, seqs=[], input_ids=[])
         spec = self.config.spec_tokens > 0
-        if not (spec and self.prefill_ready()):
+        if not (spec and self.prefill_ready() and not self.under_load()):
             decodes = [r for r in self.running if self.is_decoding(r)]
             self.make_room_for(decodes)
             decodes = [r for r in decodes if r.status is Status.RUNNING]
-            if spec:
+            if not spec:
+                for req in decodes:
+                    self.feed(batch, req, 1)
+            else:
                 wanted = {req.rid: self.tokens_wanted(req) for req in decodes}
                 decodes = [r for r in decodes if wanted[r.rid] > 0]        # the rest finish with a step in flight
-                batch.chain = self.chain_length(decodes, max(wanted.values(), default=0))
-            for req in decodes:
-                self.feed_spec(batch, req) if spec else self.feed(batch, req, 1)
-            if spec and batch.seqs:
-                return batch
+                if self.under_load(decodes) and not any(r.drafting for r in decodes):
+                    self.spec_off_steps += 1
+                    for req in decodes:
+                        self.feed_plain(batch, req)                       # prompt chunks may join below
+                else:
+                    batch.chain = self.chain_length(decodes, max(wanted.values(), default=0))
+                    for req in decodes:
+                        self.feed_spec(batch, req)
+                    if batch.seqs:
+                        return batch
         budget = self.config.max_prefill_tokens
         for req in [r for r in self.running if not self.is_decoding(r)]:
             budget -= self.feed_chunk(batch, req, budget)
@@ -204,6 +221,13 @@ class Scheduler:
                 req.draft_end = end
             if seq.last_chunk:
                 req.draft_lag = 0 if req.draft_end == end else end - 1 - req.draft_end
+
+    def under_load(self, decodes: list[Request] | None = None) -> bool:
+        """Speculation is off: as many decoding requests as --speculative-disable-by-batch-size."""
+        off = self.config.spec_off_batch_size
+        if decodes is None:
+            decodes = [r for r in self.running if self.is_decoding(r)]
+        return off > 0 and len(decodes) >= off
 
     def chain_length(self, decodes: list[Request], most_wanted: int) -> int:
         """Draft tokens per request for a speculative decode step: none under load, and, for an
@@ -263,7 +287,7 @@ class Scheduler:
         self.pool.release(req.pages)
         self.pool.give_row(req.row)
         req.row, req.kv_len, req.status, req.prefilled, req.draft_lag = None, 0, Status.WAITING, False, 0
-        req.draft_end = 0
+        req.draft_end, req.plain = 0, False
         req.retractions += 1
         self.retractions += 1
         self.waiting.appendleft(req)
@@ -310,12 +334,25 @@ class Scheduler:
         self.allocate(batch, req, req.kv_len + size)
         # The KV bound depends on timing (when earlier steps were processed); the step count does not.
         req.spec_steps_launched += 1
-        batch.seqs.append(SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, spec=True,
-                                  noise_key=SPEC_NOISE_BASE + req.spec_steps_launched, draft_lag=req.draft_lag))
+        seq = SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, spec=True,
+                      noise_key=SPEC_NOISE_BASE + req.spec_steps_launched, draft_lag=req.draft_lag)
+        seq.future_id = req.future_id = self.take_future()      # its last emitted token: a plain decode's input
+        batch.seqs.append(seq)
         req.draft_lag = req.draft_lag + 1 if batch.chain == 0 else 0
+        req.drafting += batch.chain > 0
+        req.plain = False
         batch.sample_params.append(req.params)
         req.kv_len += size
         req.pending += 1
+
+    def feed_plain(self, batch: ScheduledBatch, req: Request) -> None:
+        """Under load, a decode as without speculation (kv_len is exact: no drafting step in flight).
+        Coming from speculative steps, the draft has read the positions before kv_len - 1 - draft_lag;
+        mark_draft_reads counts what it lacks from there."""
+        if not req.plain:
+            req.draft_end, req.plain = req.kv_len - 1 - req.draft_lag, True
+        self.feed(batch, req, 1)
+        batch.seqs[-1].plain = True
 
     def take_future(self) -> int:
         """Ring of future-map slots; slot 0 is never used (-0 is not a reference)."""
@@ -333,8 +370,10 @@ class Scheduler:
                 continue                      # finished (or aborted) after this batch was scheduled
             req.pending -= 1
             run = out.tokens[i]
-            if seq.spec:
+            if seq.spec or seq.plain:             # spec_verify_ct: forwards that emitted for it while decoding
                 req.spec_verify_ct += 1
+            if seq.spec:
+                req.drafting -= batch.chain > 0
                 if req.status is Status.RUNNING:
                     self.give_back(req, seq.q_len - len(run))
             for j, token in enumerate(run):

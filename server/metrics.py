@@ -47,8 +47,8 @@ class RankStatsCollector(Collector):
             ("tandem_spec_accept_length", "Mean accepted tokens per speculative verify step (mean over ranks).",
              mean("spec_accept_len")),
         ]
-        yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without drafts because the batch "
-                                  "reached --speculative-disable-by-batch-size.", value=total("spec_off_steps"))
+        yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without speculation because as many "
+                                  "requests decoded as --speculative-disable-by-batch-size.", value=total("spec_off_steps"))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield from spec_metrics(stats)

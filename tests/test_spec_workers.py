@@ -94,13 +94,16 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
 
 def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: bool = True,
                         params: list[SamplingParams] | None = None, max_steps: int = 2000,
-                        widths: list[tuple[int, int]] | None = None, verified_tokens: list[tuple[int, int]] | None = None):
+                        widths: list[tuple[int, int]] | None = None, verified_tokens: list[tuple[int, int]] | None = None,
+                        kinds: list[str] | None = None):
     """Run the scheduler and model runner as the rank does (with overlap, batch N+1 is
     scheduled and launched before batch N is processed). Returns the outputs, (accepted drafts,
     drafts verified) of every row of every speculative step in order (a row verifies the step's
     whole chain unless the CPU trimmed it: see ConfidenceTrim), and the retraction count;
     `widths` gets each speculative step's (chain, drafts its widest row verified), `verified_tokens`
-    the rows and tokens its verify forward read."""
+    the rows and tokens its verify forward read, `kinds` each decoding batch's kind in order: "draft"
+    (a speculative step with drafts), "chain0" (one that drafts nothing) or "plain" (decodes
+    scheduled as without speculation, under load)."""
     args = parse_args(BASE_FLAGS + flags)
     device = CpuDevice()
     future_slots = 2 * args.max_running_requests + 2
@@ -135,6 +138,12 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
 
     def launch(batch):
         inp = runner.prepare(batch)
+        if kinds is not None:
+            decodes = any(seq.q_len == 1 and seq.start >= len(seq.req.input_ids) for seq in batch.seqs)
+            if inp.spec_decode:
+                kinds.append("draft" if inp.chain else "chain0")
+            elif decodes:
+                kinds.append("plain")
         forwards.clear()
         with torch.inference_mode():
             result = runner.speculative_step(inp) if inp.spec_decode else runner.forward_and_sample(inp)
@@ -142,6 +151,8 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
                 result.rest()
                 result = result.result
         if inp.spec_decode:
+            last = result[0][torch.arange(result[1].shape[0]), result[1]]
+            assert torch.equal(runner.futures.tokens[inp.future_ids], last)     # a plain decode's next input
             drafted.extend(zip(result[1].tolist(), row_widths[-1].tolist()))
             if widths is not None:
                 widths.append((inp.chain, result[0].shape[1] - 1))
@@ -231,12 +242,32 @@ def test_plain_steps_under_load_then_the_draft_catches_up(models, in_process_ref
     prompts = mixed_prompts()
     params = [SamplingParams(max_new_tokens=3 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
     flags = spec_flags(models, "dense", "standalone", draft="dense") + ["--speculative-disable-by-batch-size", "4"]
-    outputs, steps, _ = generate_in_process(flags, prompts, overlap, params=params)
+    kinds: list[str] = []
+    outputs, steps, _ = generate_in_process(flags, prompts, overlap, params=params, kinds=kinds)
     reference = in_process_reference("dense", prompts)
     assert outputs == [ref[:p.max_new_tokens] for ref, p in zip(reference, params)]
     assert all(n == chain for n, chain in steps)        # every draft accepted, after plain steps too
-    chains = [chain for _, chain in steps]
-    assert chains.index(K) > chains.index(0)            # drafting resumed after plain steps
+    assert kinds.index("draft") > kinds.index("plain")  # drafting resumed after plain decodes
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_load_arriving_while_drafting_switches_to_plain_decodes(models, in_process_reference, overlap):
+    """Two rows, off from 2 decoding requests: with overlap, a request decoding alone drafts; when the
+    next one joins, both decode as without speculation, in batches with the next prompts; the first such
+    decode reads the future its drafting step stored. Target as draft: every draft accepted (the
+    draft catches up on the plain decodes it skipped), output lossless."""
+    prompts = mixed_prompts()
+    params = [SamplingParams(max_new_tokens=4 + 5 * (i % 3), temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    flags = spec_flags(models, "dense", "standalone", draft="dense") + [
+        "--speculative-disable-by-batch-size", "2", "--max-running-requests", "2"]
+    kinds: list[str] = []
+    outputs, steps, _ = generate_in_process(flags, prompts, overlap, params=params, kinds=kinds)
+    reference = in_process_reference("dense", prompts)
+    assert outputs == [ref[:p.max_new_tokens] for ref, p in zip(reference, params)]
+    assert all(n == chain for n, chain in steps)
+    assert "plain" in kinds
+    if overlap:   # (without overlap the next request is admitted as soon as one finishes: none decodes alone)
+        assert any(a == "draft" and b == "plain" for a, b in zip(kinds, kinds[1:]))  # load arrived after drafting
 
 
 def test_ngram_accepts_drafts_on_repetitive_text(models, in_process_reference):
@@ -297,15 +328,17 @@ def test_eagle_chain_ends_before_the_first_unconfident_draft(algorithm, sampling
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
-def test_eagle_with_a_token_map_drafts_only_mapped_tokens(monkeypatch, sampling):
-    """The embedded EAGLE head with the token map it ships: every draft (greedy or sampled) is a
-    mapped token, and greedy output stays that of no speculation."""
+def test_eagle_with_a_token_map_drafts_only_mapped_tokens(monkeypatch, tmp_path, sampling):
+    """The embedded EAGLE head with a token map of every other token id (half of what the target
+    says is out of reach): every draft, greedy or sampled, is a mapped token, the draft
+    distribution lives on them, and greedy output stays that of no speculation."""
     from transformers import AutoTokenizer
     from spec.eagle_worker import EagleWorker
     from tests.e2e_prompts import CODE_PROMPTS
     repo = Path(__file__).resolve().parent.parent
-    target, head = repo / "models" / "tandem-dense", repo / "models" / "tandem-dense-eagle"
-    hot = set(torch.load(head / "token_map.pt").tolist())
+    target = repo / "models" / "tandem-dense"
+    torch.save(torch.arange(0, 4096, 2), tmp_path / "map.pt")
+    hot = set(range(0, 4096, 2))
     tok = AutoTokenizer.from_pretrained(target)
     prompts = [tok.encode(CODE_PROMPTS[1]), tok.encode(CODE_PROMPTS[3])]
     params = [SamplingParams(max_new_tokens=32, temperature=1.0, seed=3, ignore_eos=True) if sampling
@@ -316,17 +349,19 @@ def test_eagle_with_a_token_map_drafts_only_mapped_tokens(monkeypatch, sampling)
     def recorded(self, hidden, sb, salt):
         token, q, confidence = propose(self, hidden, sb, salt)
         drafted.extend(token.tolist())
-        if q is not None:                      # the draft distribution lives on the mapped tokens only
+        if q is not None:
             assert float(q.sum(-1).min()) > 0.99 and set(q.nonzero()[:, 1].tolist()) <= hot
         return token, q, confidence
     monkeypatch.setattr(EagleWorker, "propose", recorded)
-    flags = ["--model-path", str(target), "--speculative-algorithm", "eagle"]
+    flags = ["--model-path", str(target), "--speculative-algorithm", "eagle",
+             "--speculative-token-map", str(tmp_path / "map.pt")]
     outputs, _, _ = generate_in_process(flags, prompts, params=params)
     assert len(drafted) > 20 and set(drafted) <= hot
     if not sampling:
         reference = generate_in_process(["--model-path", str(target), "--speculative-algorithm", "none"], prompts,
                                         params=params)[0]
         assert outputs == reference
+        assert any(t % 2 for run in reference for t in run)          # the target still emits unmapped tokens
 
 
 def test_ngram_rows_verify_their_own_widths(models, in_process_reference):
@@ -371,12 +406,17 @@ def test_sampling_rows_do_not_disturb_greedy_rows(models, in_process_reference, 
     sampled = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, ignore_eos=True)
     params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
     flags = spec_flags(models, "dense", algorithm) + ["--speculative-disable-by-batch-size", str(off_at)]
-    outputs, steps, _ = generate_in_process(flags, prompts, params=params)
+    kinds: list[str] = []
+    outputs, steps, _ = generate_in_process(flags, prompts, params=params, kinds=kinds)
     accepted = [n for n, _ in steps]
     reference = in_process_reference("dense", prompts)
     assert [outputs[i] for i in range(0, 8, 2)] == [reference[i] for i in range(0, 8, 2)]
     assert all(len(o) == NEW_TOKENS and all(0 <= t < 512 for t in o) for o in outputs)
-    assert max(accepted) <= K
+    assert max(accepted, default=0) <= K
+    if off_at:                                     # 8 rows decode together: under load throughout
+        assert set(kinds) == {"plain"}
+    else:
+        assert "draft" in kinds and "plain" not in kinds
 
 
 def test_draft_with_another_vocabulary_is_refused(models):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.args import TOKEN_MAP_FILE, parse_args
+from engine.args import parse_args
 from engine.models.loader import CheckpointError, load_draft, load_model
 from tests.checkpoints import random_head, random_target
 
@@ -71,17 +71,11 @@ def test_a_head_with_its_own_draft_vocabulary_refuses_a_map(folders, tmp_path):
     target.set_aux_capture_layers([])
 
 
-def test_the_flag_defaults_to_the_heads_own_map(folders, tmp_path):
-    import shutil
-    head = shutil.copytree(folders["eagle"], tmp_path / "head")
-    flags = ["--model-path", str(folders["target"]), "--speculative-draft-model-path", str(head)]
-    assert parse_args(flags).token_map_path is None                      # the head ships none
-    save_map(head / TOKEN_MAP_FILE, [1, 2, 3])
-    assert parse_args(flags).token_map_path == str(head / TOKEN_MAP_FILE)
-    assert parse_args(flags + ["--speculative-token-map", "none"]).token_map_path is None
-    assert parse_args(flags + ["--speculative-token-map", "/x/map.pt"]).token_map_path == "/x/map.pt"
-    # the embedded EAGLE head ships one: `python run.py` drafts from it
-    assert parse_args([]).token_map_path.endswith(f"tandem-dense-eagle/{TOKEN_MAP_FILE}")
+def test_the_flag_resolves_for_eagle_heads_only():
+    assert parse_args([]).token_map_path is None                                    # the whole vocabulary
+    assert parse_args(["--speculative-token-map", "/x/map.pt"]).token_map_path == "/x/map.pt"
+    assert parse_args(["--speculative-token-map", "none"]).token_map_path is None
+    assert parse_args(["--speculative-algorithm", "eagle3", "--speculative-token-map", "/x/m.pt"]).token_map_path
 
 
 def test_a_map_for_an_algorithm_without_a_head_is_refused(capsys):

@@ -117,11 +117,6 @@ def head_card(name: str, s: dict, stage: str, arch_text: str) -> str:
     if "draft_vocab_size" in st:
         extra = (f"- draft vocab {st['draft_vocab_size']}: most frequent target argmax next tokens on training "
                  f"windows; they cover {st['draft_vocab_argmax_coverage']} of target argmax tokens there\n")
-    token_map = s.get("token-maps", {}).get(name)
-    if token_map:
-        extra += (f"- `token_map.pt`: the {token_map['size']} tokens the target predicts most often (argmax on "
-                  f"training windows; they cover {token_map['argmax_coverage']} of them); Tandem drafts from them "
-                  f"only unless `--speculative-token-map` says otherwise (`--stages token-maps`)\n")
     return f"""# {name}
 
 Draft head for speculative decoding with `{st.get('target')}` (same tokenizer; embeddings
@@ -148,7 +143,7 @@ Draft head for speculative decoding with `{st.get('target')}` (same tokenizer; e
 ## Reproduce
 
 ```
-{REPRO} --stages {stage},{'token-maps,' if token_map else ''}eval,cards
+{REPRO} --stages {stage},eval,cards
 {EVAL}
 ```
 This checkpoint was produced by `{st.get('command', REPRO)}`.

@@ -3,7 +3,7 @@
     python tools/train_tiny.py --out models
     python tools/train_tiny.py --out models --stages eagle-dense,eval,cards
 
-Stages: tokenizer, dense, moe, eagle-dense, eagle3-dense, eagle-moe, draft-dense, token-maps, eval, cards.
+Stages: tokenizer, dense, moe, eagle-dense, eagle3-dense, eagle-moe, draft-dense, eval, cards.
 Each training stage stops at its step budget or its time budget (--minutes-*),
 whichever comes first; the cosine schedule follows the same progress measure.
 Intermediate data (token streams, stats) lives in --cache (default out/tiny).
@@ -25,13 +25,7 @@ import tiny_corpus  # noqa: E402
 from tiny_corpus import batches, lr_at, optimizer_step  # noqa: E402
 from tiny_train_heads import train_head  # noqa: E402
 
-STAGES = ["tokenizer", "dense", "moe", "eagle-dense", "eagle3-dense", "eagle-moe", "draft-dense", "token-maps", "eval",
-          "cards"]
-# Token map of the EAGLE heads over the full vocabulary (--speculative-token-map): the most frequent
-# target argmax tokens. In the server, 2048 kept the accept length of the whole vocabulary and cut
-# the draft phase by ~10%; 1024 lost 6% of the accept length (README "Token map").
-TOKEN_MAP_SIZE = 2048
-TOKEN_MAP_BATCHES = 64
+STAGES = ["tokenizer", "dense", "moe", "eagle-dense", "eagle3-dense", "eagle-moe", "draft-dense", "eval", "cards"]
 SAMPLE_PROMPTS = [  # end mid-line: a trailing newline splits BPE's "\n + indent" tokens
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n    return',
     'import os\n\n\ndef list_python_files(path):\n    """Return the .py files under path."""\n    result = []\n    for',
@@ -219,23 +213,6 @@ def stage_draft(args):
     save_stats(args, "draft-dense", stats)
 
 
-def stage_token_maps(args):
-    """token_map.pt beside each EAGLE head that drafts over the target's whole vocabulary."""
-    from transformers import AutoModelForCausalLM
-    from tiny_train_heads import draft_vocab
-
-    stream = tiny_corpus.load_stream(Path(args.cache), "train")
-    stats = {}
-    for head, target_name in (("tandem-dense-eagle", "tandem-dense"), ("tandem-moe-eagle", "tandem-moe")):
-        target = AutoModelForCausalLM.from_pretrained(str(Path(args.out) / target_name), dtype=torch.float32).eval()
-        data = batches(stream, args.batch, args.seq, args.seed + 13)
-        ids, coverage = draft_vocab(target, data, 2 if args.quick else TOKEN_MAP_BATCHES, TOKEN_MAP_SIZE)
-        torch.save(ids.long(), Path(args.out) / head / "token_map.pt")
-        stats[head] = {"size": TOKEN_MAP_SIZE, "argmax_coverage": round(coverage, 4)}
-        log(f"{head}/token_map.pt: {TOKEN_MAP_SIZE} tokens cover {coverage:.3f} of {target_name}'s argmax tokens")
-    save_stats(args, "token-maps", stats)
-
-
 def stage_eval(args):
     import eval_acceptance
 
@@ -307,8 +284,6 @@ def main(argv=None):
             stage_head(args, stage)
         elif stage == "draft-dense":
             stage_draft(args)
-        elif stage == "token-maps":
-            stage_token_maps(args)
         elif stage == "eval":
             stage_eval(args)
         elif stage == "cards":
