@@ -22,7 +22,7 @@ from engine.messages import SamplingParams
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
 from spec.ngram_worker import SINGLE_TOKEN_MATCH_DRAFTS, ngram_drafts
-from tests.checkpoints import random_target
+from tests.checkpoints import random_head, random_target
 from tests.engine_harness import engine, run_batch
 
 K = 3                       # --speculative-num-steps of every test here
@@ -72,6 +72,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"dense": dense, "moe": moe,
             "dense-draft": noisy_copy(dense, base / "dense-draft", noise=0.3),
             "moe-draft": noisy_copy(moe, base / "moe-draft", noise=0.3),
+            "dense-eagle": random_head(base / "dense-eagle", dense),
             "small-vocab": random_target(base / "small-vocab", vocab=256)}
 
 
@@ -87,6 +88,8 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
     flags = ["--model-path", str(models[arch]), "--speculative-algorithm", algorithm]
     if algorithm == "standalone":
         flags += ["--speculative-draft-model-path", str(models[draft or f"{arch}-draft"])]
+    if algorithm == "eagle":
+        flags += ["--speculative-draft-model-path", str(models[f"{arch}-eagle"])]
     return flags
 
 
@@ -248,6 +251,21 @@ def test_plain_steps_under_load_then_the_draft_catches_up(models, in_process_ref
     assert outputs == [ref[:p.max_new_tokens] for ref, p in zip(reference, params)]
     assert all(n == chain for n, chain in steps)        # every draft accepted, after plain steps too
     assert kinds.index("draft") > kinds.index("plain")  # drafting resumed after plain decodes
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+def test_plain_decodes_under_load_keep_eagle_and_ngram_state(models, in_process_reference, algorithm):
+    """Off from 4 decoding requests for drafts that read every token (an EAGLE head's extend,
+    n-gram's history): plain decodes seed their per-row state like a one-token prompt chunk, and
+    drafting resumes from it losslessly."""
+    prompts = mixed_prompts()
+    params = [SamplingParams(max_new_tokens=3 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    flags = spec_flags(models, "dense", algorithm) + ["--speculative-disable-by-batch-size", "4"]
+    kinds: list[str] = []
+    outputs, steps, _ = generate_in_process(flags, prompts, params=params, kinds=kinds)
+    reference = in_process_reference("dense", prompts)
+    assert outputs == [ref[:p.max_new_tokens] for ref, p in zip(reference, params)]
+    assert kinds.index("draft") > kinds.index("plain")
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
