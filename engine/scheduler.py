@@ -13,7 +13,7 @@ With speculation (spec_tokens = k+1 > 0) a decode step is a draft/verify run of
 k+1 tokens whose start and accepted length live on the device. `kv_len` is then an
 upper bound: each launched step adds k+1, each processed step gives back what it did
 not accept, and the pages past the bound are returned. Prefill and speculative
-decode go in separate batches.
+decode go in separate batches (plain decodes under load join prefill batches, below).
 
 An all-greedy step drafts no more tokens than its requests can still emit (max_new_tokens,
 the context), and a request that must finish with the steps in flight is not fed again.
@@ -23,9 +23,11 @@ decodes are scheduled as without speculation, one token each, in the same batch 
 chunks (`feed_plain`). To the worker such a decode is a one-token last chunk: its prefill
 hook seeds kv_len and bonus from it. Its input is the request's future, which every step
 stores (a speculative step: its last emitted token). Only a request with no drafting step
-in flight (`drafting == 0`) can be fed so, since only then is its kv_len exact; while one is
-in flight (the step where load arrives) the decodes go as a speculative step that drafts
-nothing (chain 0), which also emits exactly one token.
+in flight (`drafting == 0`) can be fed so, since only then is its kv_len exact; were one in
+flight, the decodes would go as a speculative step that drafts nothing (chain 0), which
+also emits exactly one token. The rank never meets that case (load grows only through a
+prefill batch, and the step before it is processed before the next is scheduled); a rank
+further behind would.
 
 A draft model that skipped plain steps catches up in the next drafting step; `draft_lag`
 (tokens its draft has not read) is exact on the CPU because each of those steps emitted
