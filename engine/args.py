@@ -50,7 +50,7 @@ class ServerArgs:
     mem_fraction_static: float = flag(0.85, "Fraction of device memory for weights plus KV cache (devices with memory stats).")
     chunked_prefill_size: int = flag(512, "Most prompt tokens one request prefills in a step; longer prompts are chunked.")
     max_prefill_tokens: int = flag(2048, "Token budget of a step for prefill chunks (decodes come on top).")
-    page_size: int = flag(1, "Tokens per KV page.")
+    page_size: int = flag(1, "Tokens per KV page: the unit of KV allocation; above 1, attention gathers keys a page at a time.")
     context_length: int | None = flag(None, "Longest prompt + output (default: the model's max_position_embeddings).")
     disable_overlap_schedule: bool = flag(False, "Finish each batch before scheduling the next (no CPU/device overlap).")
     api_key: str | None = flag(None, "Require `Authorization: Bearer <key>` on every API request.")

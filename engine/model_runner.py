@@ -63,7 +63,9 @@ class ModelRunner:
         self.num_rows = args.max_running_requests
         self.spec_tokens = args.num_steps + 1 if args.num_steps else 0
         # Speculative steps may write up to two steps (2 * (k+1) positions) past the committed length.
-        self.table_width = self.context_length + 2 * self.spec_tokens + 1
+        # (rounded up to whole pages: attention reads the table a page at a time)
+        page = args.page_size
+        self.table_width = -(-(self.context_length + 2 * self.spec_tokens + 1) // page) * page
         dev = device.torch_device
         self.generator = torch.Generator(device=dev).manual_seed(args.random_seed)
         self.futures = FutureMap(future_slots, dev)
@@ -72,7 +74,7 @@ class ModelRunner:
         layers, kv_heads, head_dim = self.model.kv_layout()
         per_slot = KVCache.bytes_per_slot(layers, kv_heads, head_dim, self.dtype)
         self.num_slots = self.kv_capacity(per_slot + (self.spec.kv_bytes_per_slot() if self.spec else 0))
-        self.kv = KVCache.allocate(layers, self.num_slots, kv_heads, head_dim, self.dtype, dev)
+        self.kv = KVCache.allocate(layers, self.num_slots, kv_heads, head_dim, self.dtype, dev, args.page_size)
         self.req_to_slot = torch.zeros(self.num_rows, self.table_width, dtype=torch.long, device=dev)
         if self.spec:
             self.spec.allocate_kv(self.num_slots)

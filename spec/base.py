@@ -118,7 +118,7 @@ class SpecWorker(ABC):
         if layout:
             layers, kv_heads, head_dim = layout
             self.draft_kv = KVCache.allocate(layers, num_slots, kv_heads, head_dim, self.runner.dtype,
-                                             self.runner.device.torch_device)
+                                             self.runner.device.torch_device, self.runner.args.page_size)
 
 
     def verify(self, inp: "BatchInputs", rows: torch.Tensor, L: torch.Tensor, drafts: torch.Tensor,

@@ -70,10 +70,10 @@ def sequence_lengths(schedule) -> list[int]:
     return [lengths[i] for i in sorted(lengths)]
 
 
-def run_schedule(forward, kv_layout, schedule, sequences):
+def run_schedule(forward, kv_layout, schedule, sequences, page_size: int = 1):
     """Feed `sequences` to `forward(ids, batch, seq_and_positions)` step by step over a paged
     cache; returns per sequence the output rows in position order."""
-    runner = PagedRunner(kv_layout, torch.float32, max_requests=8, max_context=64, seed=1)
+    runner = PagedRunner(kv_layout, torch.float32, max_requests=8, max_context=64, seed=1, page_size=page_size)
     fed = [0] * len(sequences)
     outputs: list[list[torch.Tensor]] = [[] for _ in sequences]
     for step in schedule:
@@ -121,16 +121,18 @@ def hf_logits(hf_model, sequences):
 
 
 @torch.no_grad()
-def tandem_logits(model, schedule, sequences):
+def tandem_logits(model, schedule, sequences, page_size: int = 1):
     forward = lambda ids, batch, spans: model.compute_logits(model(ids, batch).hidden)  # noqa: E731
-    return run_schedule(forward, model.kv_layout(), schedule, sequences)
+    return run_schedule(forward, model.kv_layout(), schedule, sequences, page_size)
 
 
+@pytest.mark.parametrize("page_size", [1, 4], ids=["slots", "pages-of-4"])
 @pytest.mark.parametrize("schedule", [PREFILL, DECODE, MIXED], ids=["prefill", "decode", "mixed"])
-def test_target_matches_transformers(tiny_target, schedule):
+def test_target_matches_transformers(tiny_target, schedule, page_size):
+    """page_size 4: keys are gathered a page at a time (shuffled pages, sequences ending mid-page)."""
     model, hf_model, _ = tiny_target
     sequences = random_sequences(sequence_lengths(schedule), seed=3)
-    ours = tandem_logits(model, schedule, sequences)
+    ours = tandem_logits(model, schedule, sequences, page_size)
     assert all(o.dtype == torch.float32 for o in ours)
     assert max_diff(ours, hf_logits(hf_model, sequences)) <= TOL
 

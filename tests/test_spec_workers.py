@@ -253,6 +253,19 @@ def test_plain_steps_under_load_then_the_draft_catches_up(models, in_process_ref
     assert kinds.index("draft") > kinds.index("plain")  # drafting resumed after plain decodes
 
 
+@pytest.mark.parametrize("algorithm", ["none", "standalone", "eagle", "ngram"])
+def test_pages_of_eight_stay_lossless(models, in_process_reference, algorithm):
+    """--page-size 8: KV is allocated, and attention reads keys, a page at a time (the target's
+    forwards, a draft model's catch-up and chain steps, the EAGLE head's); output stays that of
+    one-token pages, and the target as its own draft still has every draft accepted."""
+    prompts = mixed_prompts()
+    flags = spec_flags(models, "dense", algorithm, draft="dense" if algorithm == "standalone" else None)
+    outputs, steps, _ = generate_in_process(flags + ["--page-size", "8"], prompts)
+    assert outputs == in_process_reference("dense", prompts)
+    if algorithm == "standalone":
+        assert steps and all(n == chain for n, chain in steps)
+
+
 @pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
 def test_plain_decodes_under_load_keep_eagle_and_ngram_state(models, in_process_reference, algorithm):
     """Off from 4 decoding requests for drafts that read every token (an EAGLE head's extend,

@@ -2,7 +2,8 @@
 tests and checkpoint checks (tools/, bench/): several requests, each with its own row of a
 req_to_slot table, any mix of prefill chunks and decodes in one flattened batch.
 
-Slots come from a shuffled permutation, so code that silently assumes contiguous slots fails.
+Slots come from a shuffled permutation (of whole pages with page_size > 1, KVPool's layout), so
+code that silently assumes contiguous slots fails.
 
     runner = PagedRunner(model.kv_layout(), torch.float32)
     ids, batch = runner.step([(0, [5, 6, 7]), (1, [9])])     # request 0 prefills 3, request 1 adds 1
@@ -17,13 +18,17 @@ from engine.models.attention import AttentionBatch, KVCache, attention_groups, b
 
 class PagedRunner:
     def __init__(self, kv_layout: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str = "cpu",
-                 max_requests: int = 8, max_context: int = 128, seed: int = 0):
+                 max_requests: int = 8, max_context: int = 128, seed: int = 0, page_size: int = 1):
         num_layers, num_kv_heads, head_dim = kv_layout
-        num_slots = max_requests * max_context + 1
+        if max_context % page_size:
+            raise ValueError(f"max_context {max_context} is not a whole number of {page_size}-token pages")
+        num_pages = max_requests * max_context // page_size + 1
         generator = torch.Generator().manual_seed(seed)
-        slots = torch.randperm(num_slots, generator=generator)[:max_requests * max_context]
+        pages = torch.randperm(num_pages, generator=generator)[:num_pages - 1]
+        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
         self.req_to_slot = slots.view(max_requests, max_context).to(device)
-        self.kv = KVCache.allocate(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
+        self.kv = KVCache.allocate(num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype, device,
+                                   page_size)
         self.lengths = [0] * max_requests       # tokens of each request already in the cache
         self.device = device
 
