@@ -161,8 +161,9 @@ class ModelRunner:
     def speculative_step(self, inp: BatchInputs) -> tuple:
         self.update_table(inp)
         result = self.spec.decode_step(inp)
-        dev = self.device.torch_device      # each request's future: its last emitted token (a plain decode's input)
-        self.futures.store(inp.future_ids.to(dev), self.spec.bonus[inp.rows.to(dev)])
+        put = lambda t: t.to(self.device.torch_device, non_blocking=True)  # noqa: E731
+        # each request's future: its last emitted token (the input of a plain decode that follows)
+        self.futures.store(put(inp.future_ids), self.spec.bonus[put(inp.rows)])
         return result
 
     def step_result(self, emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch) -> tuple:
