@@ -129,12 +129,14 @@ class ServerArgs:
         return None
 
     @property
+    def token_map_given(self) -> bool:
+        return (self.speculative_token_map or "none").lower() != "none"
+
+    @property
     def token_map_path(self) -> str | None:
         """The token map the EAGLE head drafts from (None: the whole vocabulary)."""
-        given = self.speculative_token_map
-        if self.spec_algorithm not in ("eagle", "eagle3") or (given or "").lower() in ("", "none"):
-            return None
-        return given
+        has_head = self.spec_algorithm in ("eagle", "eagle3")
+        return self.speculative_token_map if has_head and self.token_map_given else None
 
     def validate(self) -> None:
         """Refuse contradictory flags with a message naming them."""
@@ -147,7 +149,7 @@ class ServerArgs:
                              f"({self.num_steps + 1}) for chain drafts")
         if self.spec_algorithm in ("eagle", "eagle3", "standalone") and not self.draft_model_path:
             raise ValueError(f"--speculative-algorithm {self.spec_algorithm} needs --speculative-draft-model-path")
-        if (self.speculative_token_map or "none").lower() != "none" and self.spec_algorithm not in ("eagle", "eagle3"):
+        if self.token_map_given and self.spec_algorithm not in ("eagle", "eagle3"):
             raise ValueError(f"--speculative-token-map applies to EAGLE / EAGLE-3 heads, not to "
                              f"--speculative-algorithm {self.spec_algorithm}")
         if (self.speculative_disable_by_batch_size or 0) < 0:

@@ -14,7 +14,7 @@ import torch
 from devices.base import Deferred, Device, Launched
 from engine.args import ServerArgs
 from engine.future_map import FutureMap
-from engine.models.attention import KVCache, attention_groups, build_attention_batch
+from engine.models.attention import KVCache, attention_groups, build_attention_batch, padded_width
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, sample, token_logprobs
 from engine.scheduler import ScheduledBatch, StepOutput
@@ -63,9 +63,8 @@ class ModelRunner:
         self.num_rows = args.max_running_requests
         self.spec_tokens = args.num_steps + 1 if args.num_steps else 0
         # Speculative steps may write up to two steps (2 * (k+1) positions) past the committed length.
-        # (rounded up to whole pages: attention reads the table a page at a time)
-        page = args.page_size
-        self.table_width = -(-(self.context_length + 2 * self.spec_tokens + 1) // page) * page
+        # (in whole pages: attention reads the table a page at a time)
+        self.table_width = padded_width(self.context_length + 2 * self.spec_tokens + 1, args.page_size)
         dev = device.torch_device
         self.generator = torch.Generator(device=dev).manual_seed(args.random_seed)
         self.futures = FutureMap(future_slots, dev)

@@ -176,8 +176,8 @@ class Scheduler:
         self.step += 1
         batch = ScheduledBatch(step=self.step, seqs=[], input_ids=[])
         spec = self.config.spec_tokens > 0
-        if not (spec and self.prefill_ready() and not self.under_load()):
-            decodes = [r for r in self.running if self.is_decoding(r)]
+        decodes = [r for r in self.running if self.is_decoding(r)]
+        if not (spec and self.prefill_ready() and not self.under_load(decodes)):
             self.make_room_for(decodes)
             decodes = [r for r in decodes if r.status is Status.RUNNING]
             if not spec:
@@ -224,11 +224,9 @@ class Scheduler:
             if seq.last_chunk:
                 req.draft_lag = 0 if req.draft_end == end else end - 1 - req.draft_end
 
-    def under_load(self, decodes: list[Request] | None = None) -> bool:
+    def under_load(self, decodes: list[Request]) -> bool:
         """Speculation is off: as many decoding requests as --speculative-disable-by-batch-size."""
         off = self.config.spec_off_batch_size
-        if decodes is None:
-            decodes = [r for r in self.running if self.is_decoding(r)]
         return off > 0 and len(decodes) >= off
 
     def chain_length(self, decodes: list[Request], most_wanted: int) -> int:
@@ -237,10 +235,10 @@ class Scheduler:
         tokens_wanted among them).
         The cap depends on timing (what was processed when), so it is kept from sampling
         batches: a seeded request must see the same chain lengths in every run."""
-        off, k = self.config.spec_off_batch_size, self.config.spec_tokens - 1
+        k = self.config.spec_tokens - 1
         if not decodes:
             return 0
-        if off and len(decodes) >= off:
+        if self.under_load(decodes):
             self.spec_off_steps += 1
             return 0
         if not all(r.params.greedy for r in decodes):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.models.attention import KVCache, build_attention_batch
+from engine.models.attention import KVCache, build_attention_batch, padded_width
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.verify import verify_greedy, verify_sampled
 
@@ -80,6 +80,12 @@ class SpecWorker(ABC):
     def chain_trim(self, k: int, sb: SamplingBatch, dev: torch.device) -> "ConfidenceTrim | None":
         """The per-row trimming of this step's chain of k drafts, where chains are trimmed."""
         return ConfidenceTrim(sb.greedy.to(dev)) if k and self.trims else None
+
+    def chain_table(self, inp: "BatchInputs", rows: torch.Tensor) -> torch.Tensor:
+        """The rows' slot table, sliced once and shared by a chain's steps (max_kv > L + k: every
+        chain position; in whole pages for page gathers)."""
+        width = padded_width(inp.max_kv, self.runner.args.page_size)
+        return self.runner.req_to_slot[:, :width].index_select(0, rows)
 
     def advance(self, rows: torch.Tensor, L: torch.Tensor, v: "Verified") -> None:
         """After acceptance: each row's cache holds n+1 more tokens and its bonus is the last emitted."""

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from engine.models.attention import chain_step_batch, padded_width
+from engine.models.attention import chain_step_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker, top_choice
@@ -110,8 +110,7 @@ class EagleWorker(SpecWorker):
         drafts = [self.draft_first[rows]][:k]
         qs = [None if sb.all_greedy else self.first_probs[rows]][:k]       # q only matters when sampling
         g = self.draft_hidden[rows]
-        # the rows' slot table, shared by the chain's steps (max_kv > L + k: every chain position)
-        table = runner.req_to_slot[:, :padded_width(inp.max_kv, self.draft_kv)].index_select(0, rows) if k > 1 else None
+        table = self.chain_table(inp, rows) if k > 1 else None
         for i in range(2, k + 1):
             g = self.head(drafts[-1], g, chain_step_batch(L + (i - 2), table, self.draft_kv))
             token, q, confidence = self.propose(g, sb, salt=1 + i)

@@ -31,7 +31,7 @@ import dataclasses
 
 import torch
 
-from engine.models.attention import build_attention_batch, chain_step_batch, padded_width
+from engine.models.attention import build_attention_batch, chain_step_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker, TokenHistory, top_choice
@@ -100,8 +100,7 @@ class StandaloneWorker(SpecWorker):
                 k = 0                                           # no row believes its first draft
             else:
                 drafts, qs = [token], [q]
-            # the rows' slot table, shared by the chain's steps (max_kv > L + k: every chain position)
-            table = runner.req_to_slot[:, :padded_width(inp.max_kv, self.draft_kv)].index_select(0, rows) if k > 1 else None
+            table = self.chain_table(inp, rows) if k > 1 else None
             for i in range(2, k + 1):
                 attn = chain_step_batch(L + (i - 1), table, self.draft_kv)
                 token, q, confidence = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)

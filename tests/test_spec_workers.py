@@ -284,9 +284,9 @@ def test_plain_decodes_under_load_keep_eagle_and_ngram_state(models, in_process_
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_load_arriving_while_drafting_switches_to_plain_decodes(models, in_process_reference, overlap):
     """Two rows, off from 2 decoding requests: with overlap, a request decoding alone drafts; when the
-    next one joins, both decode as without speculation, in batches with the next prompts; the first such
-    decode reads the future its drafting step stored. Target as draft: every draft accepted (the
-    draft catches up on the plain decodes it skipped), output lossless."""
+    next one joins (after its prompt's batch, by which time the drafting step is processed), both
+    decode as without speculation, in batches with the next prompts. Target as draft: every draft
+    accepted (the draft catches up on the plain decodes it skipped), output lossless."""
     prompts = mixed_prompts()
     params = [SamplingParams(max_new_tokens=4 + 5 * (i % 3), temperature=0, ignore_eos=True) for i in range(len(prompts))]
     flags = spec_flags(models, "dense", "standalone", draft="dense") + [

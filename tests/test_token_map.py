@@ -38,9 +38,9 @@ def test_a_mapped_head_drafts_the_map_rows_of_the_full_head(folders, tmp_path):
     torch.testing.assert_close(mapped.compute_logits(hidden), full.compute_logits(hidden)[:, ids])
     assert torch.equal(mapped.draft_to_target(torch.arange(len(hot))), ids)
     assert full.hot_ids is None and torch.equal(full.draft_to_target(torch.arange(4)), torch.arange(4))
-    # a list saved the way SGLang's maps are (plain ints) loads the same
-    listed, _ = load_draft(folders["eagle"], target, token_map=save_map(tmp_path / "list.pt", torch.tensor(hot)))
-    assert torch.equal(listed.hot_ids, ids)
+    # the map above was a list of ints; a tensor of the same ids loads the same
+    tensor_map, _ = load_draft(folders["eagle"], target, token_map=save_map(tmp_path / "tensor.pt", torch.tensor(hot)))
+    assert torch.equal(tensor_map.hot_ids, ids)
 
 
 @pytest.mark.parametrize("content, message", [

@@ -66,10 +66,9 @@ class AttentionPart:
     read_pages: torch.Tensor | None = None     # [B, K / page_size]: the pages read_slots lie in, when paged
 
 
-def padded_width(max_k: int, kv: KVCache) -> int:
+def padded_width(max_k: int, page_size: int) -> int:
     """Key positions a part reads: max_k rounded up to whole pages (the slot table is that wide)."""
-    page = kv.page_size
-    return -(-max_k // page) * page
+    return -(-max_k // page_size) * page_size
 
 
 def pages_of(read_slots: torch.Tensor, page_size: int) -> torch.Tensor | None:
@@ -110,47 +109,62 @@ def build_attention_batch(q_lens: torch.Tensor, kv_lens: torch.Tensor, req_rows:
     """q_lens, kv_lens, req_rows: [B] long tensors on the cache's device; kv_lens count
     the new tokens too. req_to_slot: [rows, context] slot table. max_q >= q_lens.max(),
     max_k >= kv_lens.max(). groups (from attention_groups): parts padded apart."""
-    device = q_lens.device
     batch = q_lens.shape[0]
     q_start = torch.cumsum(q_lens, 0) - q_lens                       # [B]
     first_pos = kv_lens - q_lens                                     # [B]
-    q_idx = torch.arange(max_q, device=device)                       # [Q]
-    valid_q = q_idx[None, :] < q_lens[:, None]                       # [B, Q]
-    query_pos = torch.where(valid_q, first_pos[:, None] + q_idx[None, :], torch.zeros_like(valid_q, dtype=torch.long))
-    flat_valid = valid_q.reshape(-1)
-    positions = query_pos.reshape(-1)[flat_valid]
-    seq_of_token = torch.arange(batch, device=device).repeat_interleave(max_q)[flat_valid]
+    grid = QueryGrid.of(q_lens, first_pos, max_q)
+    positions = grid.positions()
+    seq_of_token = torch.arange(batch, device=q_lens.device).repeat_interleave(max_q)[grid.flat_valid]
     write_slots = req_to_slot[req_rows[seq_of_token], positions]
+    page = kv.page_size
     if groups is None:
-        parts = [attention_part(q_start, q_lens, kv_lens, first_pos, req_rows, req_to_slot, max_q,
-                                padded_width(max_k, kv), kv.page_size, False)]
+        parts = [attention_part(grid, q_start, q_lens, kv_lens, req_rows, req_to_slot, padded_width(max_k, page),
+                                page, subset=False)]
     else:
-        parts = [attention_part(q_start[seqs], q_lens[seqs], kv_lens[seqs], first_pos[seqs], req_rows[seqs],
-                                req_to_slot, group_q, padded_width(group_k, kv), kv.page_size, True)
+        parts = [attention_part(QueryGrid.of(q_lens[seqs], first_pos[seqs], group_q), q_start[seqs], q_lens[seqs],
+                                kv_lens[seqs], req_rows[seqs], req_to_slot, padded_width(group_k, page), page,
+                                subset=True)
                  for seqs, group_q, group_k in groups]
     return AttentionBatch(positions=positions, write_slots=write_slots, parts=parts, kv=kv)
 
 
-def attention_part(q_start: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, first_pos: torch.Tensor,
-                   req_rows: torch.Tensor, req_to_slot: torch.Tensor, max_q: int, max_k: int, page_size: int,
+@dataclass
+class QueryGrid:
+    """Sequences [G] padded to Q queries: q_idx [Q], valid [G, Q] (a real token), pos [G, Q] (its
+    position; 0 for padding) and valid flattened."""
+    q_idx: torch.Tensor
+    valid: torch.Tensor
+    pos: torch.Tensor
+    flat_valid: torch.Tensor
+
+    @classmethod
+    def of(cls, q_lens: torch.Tensor, first_pos: torch.Tensor, max_q: int) -> "QueryGrid":
+        q_idx = torch.arange(max_q, device=q_lens.device)
+        valid = q_idx[None, :] < q_lens[:, None]
+        pos = torch.where(valid, first_pos[:, None] + q_idx[None, :], torch.zeros_like(valid, dtype=torch.long))
+        return cls(q_idx=q_idx, valid=valid, pos=pos, flat_valid=valid.reshape(-1))
+
+    def positions(self) -> torch.Tensor:
+        """The real tokens' positions, in token order [T]."""
+        return self.pos.reshape(-1)[self.flat_valid]
+
+
+def attention_part(grid: QueryGrid, q_start: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                   req_rows: torch.Tensor, req_to_slot: torch.Tensor, max_k: int, page_size: int,
                    subset: bool) -> AttentionPart:
     """The part of sequences [G] (their token offsets q_start into the batch); subset: not all of it."""
     device = q_lens.device
-    q_idx = torch.arange(max_q, device=device)
-    valid_q = q_idx[None, :] < q_lens[:, None]                       # [G, Q]
-    query_pos = torch.where(valid_q, first_pos[:, None] + q_idx[None, :], torch.zeros_like(valid_q, dtype=torch.long))
     last_row = (q_start + q_lens - 1).clamp(min=0)
-    query_rows = torch.where(valid_q, q_start[:, None] + q_idx[None, :], last_row[:, None])
-    flat_valid = valid_q.reshape(-1)
-    token_rows = torch.arange(q_lens.shape[0] * max_q, device=device)[flat_valid]
+    query_rows = torch.where(grid.valid, q_start[:, None] + grid.q_idx[None, :], last_row[:, None])
+    token_rows = torch.arange(grid.flat_valid.shape[0], device=device)[grid.flat_valid]
     k_idx = torch.arange(max_k, device=device)
     read_slots = req_to_slot[:, :max_k].index_select(0, req_rows)
     visible_k = k_idx[None, :] < kv_lens[:, None]                    # [G, K]
     read_slots = torch.where(visible_k, read_slots, torch.zeros_like(read_slots))
-    causal = k_idx[None, None, :] <= query_pos[:, :, None]           # [G, Q, K]
+    causal = k_idx[None, None, :] <= grid.pos[:, :, None]            # [G, Q, K]
     mask = (causal & visible_k[:, None, :]).unsqueeze(1)
     return AttentionPart(read_slots=read_slots, query_rows=query_rows, mask=mask, token_rows=token_rows,
-                         out_rows=query_rows.reshape(-1)[flat_valid] if subset else None,
+                         out_rows=query_rows.reshape(-1)[grid.flat_valid] if subset else None,
                          read_pages=pages_of(read_slots, page_size))
 
 

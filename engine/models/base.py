@@ -85,9 +85,9 @@ class DraftHead(nn.Module, ABC):
         if weight.shape[0] != self.vocab_size:
             raise ValueError(f"the head already drafts from its own vocabulary of {weight.shape[0]} tokens; "
                              f"a token map applies to heads over the target's {self.vocab_size}")
-        self.lm_head = None
-        self.lm_head_shared = weight.detach().index_select(0, hot_ids.to(weight.device)).contiguous()
         self.hot_ids = hot_ids.to(weight.device)
+        self.lm_head = None
+        self.lm_head_shared = weight.detach().index_select(0, self.hot_ids).contiguous()
 
     @abstractmethod
     def kv_layout(self) -> tuple[int, int, int]:
