@@ -17,11 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     from server.launch import serve
     try:
         import uvloop
-        uvloop.run(serve(args))
     except ImportError:
         import asyncio
-        asyncio.run(serve(args))
-    return 0
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
 
 
 if __name__ == "__main__":

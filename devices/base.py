@@ -9,7 +9,10 @@ blocking, so the CPU schedules batch N+1 while the device executes batch N.
 `work` may return `Deferred(result, rest)`: the launch then resolves as soon as `result` is
 ready, and `rest` runs next on the stream, before anything launched later (a prefill's first
 token goes out while the draft model reads the prompt). An error in `rest` is raised by the
-next launch.
+next launch, as `DeferredWorkFailed` (that launch's own work did not run).
+
+Every error of launched work (raised while enqueuing it, while it runs, or by the device when
+its completion is awaited) reaches whoever awaits the launch; nothing is lost in a helper thread.
 """
 from __future__ import annotations
 
@@ -33,6 +36,17 @@ class Launched:
 
     def __await__(self):
         return self.future.__await__()
+
+    @classmethod
+    def failed(cls, error: BaseException) -> "Launched":
+        """A launch that never reached the device: awaiting it raises `error`."""
+        launched = cls(asyncio.get_running_loop().create_future())
+        launched.future.set_exception(error)
+        return launched
+
+
+class DeferredWorkFailed(RuntimeError):
+    """The `rest` of the previous launch (a Deferred) raised; this launch's own work did not run."""
 
 
 @dataclass
@@ -70,6 +84,10 @@ class Device(ABC):
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    def order_after_setup(self) -> None:
+        """Make launched work wait for what model loading and KV allocation queued (call once,
+        before the first launch)."""
 
     def set_threads(self, threads: int) -> None:
         """Host threads of the stream's work (the CPU device's torch threads; others ignore it)."""
@@ -110,3 +128,13 @@ def create_device(name: str, index: int = 0) -> Device:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Resolve a launch's future on the loop (called through call_soon_threadsafe)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from devices.base import Deferred, Device, Launched, now
+from devices.base import Deferred, DeferredWorkFailed, Device, Launched, now, settle
 
 
 class CpuDevice(Device):
@@ -49,18 +49,18 @@ class CpuDevice(Device):
             try:
                 if self.rest_error is not None:
                     error, self.rest_error = self.rest_error, None
-                    raise error
+                    raise DeferredWorkFailed(f"work deferred from the previous launch failed: {error!r}") from error
                 with torch.inference_mode():
                     result = work()
             except BaseException as exc:      # delivered to whoever awaits the launch
                 launched.finished = now()
-                loop.call_soon_threadsafe(_settle, launched.future, None, exc)
+                loop.call_soon_threadsafe(settle, launched.future, None, exc)
                 return
             launched.finished = now()
             rest = None
             if isinstance(result, Deferred):
                 result, rest = result.result, result.rest
-            loop.call_soon_threadsafe(_settle, launched.future, result, None)
+            loop.call_soon_threadsafe(settle, launched.future, result, None)
             if rest is not None:
                 try:
                     with torch.inference_mode():
@@ -80,11 +80,3 @@ class CpuDevice(Device):
     def close(self) -> None:
         self.worker.shutdown(wait=True, cancel_futures=True)
 
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from devices.base import Deferred, Device, Launched, now
+from devices.base import Deferred, Device, Launched, now, settle
 
 
 class StreamDevice(Device):
@@ -27,8 +27,35 @@ class StreamDevice(Device):
     def torch_device(self) -> torch.device:
         return torch.device(self.name, self.index)
 
+    def order_after_setup(self) -> None:
+        self.stream.wait_stream(self.module.current_stream(self.index))
+
     def launch(self, work: Callable[[], Any]) -> Launched:
-        started = now()
+        loop = asyncio.get_running_loop()
+        launched = Launched(loop.create_future())
+        launched.started = now()
+        try:
+            result, event = self.enqueue(work)
+        except Exception as exc:       # raised while enqueuing: the awaiting loop gets it
+            launched.finished = now()
+            launched.future.set_exception(exc)
+            return launched
+
+        def wait() -> None:
+            try:
+                event.synchronize()         # raises if the device reports an error for the work
+            except BaseException as exc:
+                launched.finished = now()
+                loop.call_soon_threadsafe(settle, launched.future, None, exc)
+                return
+            launched.finished = now()
+            loop.call_soon_threadsafe(settle, launched.future, result, None)
+
+        self.waiter.submit(wait)
+        return launched
+
+    def enqueue(self, work: Callable[[], Any]) -> tuple[Any, Any]:
+        """Queue work on the rank's stream and record its completion event."""
         with torch.inference_mode(), self.module.stream(self.stream):
             result = work()
             event = self.module.Event()
@@ -36,17 +63,7 @@ class StreamDevice(Device):
             if isinstance(result, Deferred):      # queued after the event: the result does not wait for it
                 result.rest()
                 result = result.result
-        loop = asyncio.get_running_loop()
-        launched = Launched(loop.create_future())
-        launched.started = started
-
-        def wait() -> None:
-            event.synchronize()
-            launched.finished = now()
-            loop.call_soon_threadsafe(_resolve, launched.future, result)
-
-        self.waiter.submit(wait)
-        return launched
+        return result, event
 
     def mark(self) -> Any:
         event = self.module.Event(enable_timing=True)
@@ -66,7 +83,3 @@ class StreamDevice(Device):
     def close(self) -> None:
         self.waiter.shutdown(wait=True, cancel_futures=True)
 
-
-def _resolve(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)

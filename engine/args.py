@@ -80,6 +80,11 @@ class ServerArgs:
     cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank's CPU stream, where the model runs "
                                          "(default: the cores per rank); the rank loop itself uses one.")
     stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
+    max_request_bytes: int = flag(16 * 1024 * 1024, "Largest HTTP request body accepted; larger ones get 413.")
+    max_rank_restarts: int = flag(3, "Rank processes that die are restarted; after this many deaths within 10 "
+                                     "minutes the server gives up and exits non-zero (0: never restart).")
+    shutdown_timeout: float = flag(30.0, "On SIGTERM / SIGINT: seconds in-flight requests may still run before "
+                                         "they are ended with an error.")
 
     @property
     def tokenizer(self) -> str:
@@ -154,6 +159,9 @@ class ServerArgs:
                              f"--speculative-algorithm {self.spec_algorithm}")
         if (self.speculative_disable_by_batch_size or 0) < 0:
             raise ValueError("--speculative-disable-by-batch-size must be >= 0")
+        if self.max_request_bytes < 1024 or self.max_rank_restarts < 0 or not self.shutdown_timeout >= 0:
+            raise ValueError("--max-request-bytes must be at least 1024, --max-rank-restarts and "
+                             "--shutdown-timeout at least 0")
         if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,
                self.max_prefill_tokens, self.dp_size) < 1:
             raise ValueError("--page-size, --max-running-requests, --chunked-prefill-size, --max-prefill-tokens, "

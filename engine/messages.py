@@ -66,6 +66,12 @@ class RequestRejected(msgspec.Struct, tag=True):
     status: int = 400
 
 
+class RequestFailed(msgspec.Struct, tag=True):
+    """The engine ended the request because its batch failed; its resources are freed."""
+    rid: str
+    message: str
+
+
 class RankStats(msgspec.Struct, tag=True):
     """Periodic gauges from a rank, for /metrics and /health."""
     rank: int
@@ -81,6 +87,8 @@ class RankStats(msgspec.Struct, tag=True):
     spec_phase_seconds: dict[str, float] = {}   # device seconds in draft / verify / extend, since start
     spec_steps: int = 0
     spec_off_steps: int = 0               # decode steps without speculation (under load)
+    failed_steps: int = 0                 # launched steps that raised; their requests got errors
+    resident_memory_bytes: int = 0        # the rank process's RSS
 
 
 class RankReady(msgspec.Struct, tag=True):
@@ -91,4 +99,4 @@ class RankReady(msgspec.Struct, tag=True):
     description: str
 
 
-FromRank = TokenDelta | RequestRejected | RankStats | RankReady
+FromRank = TokenDelta | RequestRejected | RequestFailed | RankStats | RankReady

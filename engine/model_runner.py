@@ -6,13 +6,14 @@ rank's stream; the CPU only builds small host tensors.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from devices.base import Deferred, Device, Launched
 from engine.args import ServerArgs
+from engine.faults import FaultInjector
 from engine.future_map import FutureMap
 from engine.models.attention import KVCache, attention_groups, build_attention_batch, padded_width
 from engine.models.loader import load_model
@@ -49,6 +50,17 @@ class BatchInputs:
     groups: list | None = None     # attention parts (host indices): decodes apart from prompt chunks
 
 
+@dataclass
+class StepResult:
+    """What a launched step produced, as host tensors (read them once its launch resolved)."""
+    emitted: torch.Tensor | None = None        # [B, R] tokens; row b's first accepted[b] + 1 count
+    accepted: torch.Tensor | None = None       # [B] accepted drafts (0: one token)
+    logprobs: torch.Tensor | None = None       # [B, R] of the emitted tokens, when a row asked
+    top_values: torch.Tensor | None = None     # [B, R, top]
+    top_ids: torch.Tensor | None = None
+    marks: list = field(default_factory=list)  # speculative steps: (phase, device mark), "start" first
+
+
 def resolve_dtype(name: str, device: Device) -> torch.dtype:
     return device.default_dtype() if name == "auto" else DTYPES[name]
 
@@ -68,6 +80,7 @@ class ModelRunner:
         dev = device.torch_device
         self.generator = torch.Generator(device=dev).manual_seed(args.random_seed)
         self.futures = FutureMap(future_slots, dev)
+        self.faults = FaultInjector.from_env()      # a test hook; None unless TANDEM_FAULT_INJECT is set
         self.spec = create_spec_worker(args.spec_algorithm, self) if self.spec_tokens else None  # loads the draft
         self.draft_skips_prefill = bool(self.spec and self.spec.catches_up)
         layers, kv_heads, head_dim = self.model.kv_layout()
@@ -125,8 +138,12 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> Launched:
         inputs = self.prepare(batch)
         if inputs.spec_decode:
-            return self.device.launch(lambda: self.speculative_step(inputs))
-        return self.device.launch(lambda: self.forward_and_sample(inputs))
+            work = lambda: self.speculative_step(inputs)  # noqa: E731
+        else:
+            work = lambda: self.forward_and_sample(inputs)  # noqa: E731
+        if self.faults:
+            work = self.faults.wrap(batch, work)
+        return self.device.launch(work)
 
     # ---- on the stream -------------------------------------------------------------
 
@@ -135,7 +152,7 @@ class ModelRunner:
         if inp.table_rows.numel():
             self.req_to_slot[inp.table_rows.to(dev), inp.table_pos.to(dev)] = inp.table_slots.to(dev)
 
-    def forward_and_sample(self, inp: BatchInputs) -> tuple:
+    def forward_and_sample(self, inp: BatchInputs) -> StepResult | Deferred:
         dev = self.device.torch_device
         put = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
         self.update_table(inp)
@@ -147,7 +164,7 @@ class ModelRunner:
         if inp.sample_rows.numel() == 0:
             if self.spec:
                 self.spec.after_prefill(inp, input_ids, attn, out, input_ids[:0])
-            return ()
+            return StepResult()
         logits = self.model.compute_logits(out.hidden[put(inp.sample_rows)])
         sb = to_device(inp.sampling, dev)
         tokens = sample(logits, sb, self.generator)
@@ -157,7 +174,7 @@ class ModelRunner:
             return Deferred(result, lambda: self.spec.after_prefill(inp, input_ids, attn, out, tokens))
         return result
 
-    def speculative_step(self, inp: BatchInputs) -> tuple:
+    def speculative_step(self, inp: BatchInputs) -> StepResult:
         self.update_table(inp)
         result = self.spec.decode_step(inp)
         put = lambda t: t.to(self.device.torch_device, non_blocking=True)  # noqa: E731
@@ -165,29 +182,37 @@ class ModelRunner:
         self.futures.store(put(inp.future_ids), self.spec.bonus[put(inp.rows)])
         return result
 
-    def step_result(self, emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch) -> tuple:
+    def step_result(self, emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch,
+                    marks: list | None = None) -> StepResult:
         """Host copies of a step's outputs: emitted [B, R] tokens of which the first n+1 count,
         and, when asked, logprobs of the model's distribution at each of the R rows."""
         host = lambda t: t.to("cpu", non_blocking=True)  # noqa: E731
-        if sb.max_logprobs is None:
-            return host(emitted), host(n)
-        batch, rows = emitted.shape
-        chosen, values, ids = token_logprobs(logits.reshape(batch * rows, -1), emitted.reshape(-1), sb.max_logprobs)
-        return (host(emitted), host(n), host(chosen.view(batch, rows)), host(values.view(batch, rows, -1)),
-                host(ids.view(batch, rows, -1)))
+        result = StepResult(emitted=host(emitted), accepted=host(n), marks=marks or [])
+        if sb.max_logprobs is not None:
+            batch, rows = emitted.shape
+            chosen, values, ids = token_logprobs(logits.reshape(batch * rows, -1), emitted.reshape(-1),
+                                                 sb.max_logprobs)
+            result.logprobs = host(chosen.view(batch, rows))
+            result.top_values, result.top_ids = host(values.view(batch, rows, -1)), host(ids.view(batch, rows, -1))
+        return result
 
     @staticmethod
-    def output(result: tuple) -> StepOutput:
+    def output(result: StepResult) -> StepOutput:
         """Host lists from a finished batch's tensors (called after its event fired)."""
-        if not result:
+        if result.emitted is None:
             return StepOutput(tokens=[])
-        counts = [n + 1 for n in result[1].tolist()]
-        out = StepOutput(tokens=[row[:c] for row, c in zip(result[0].tolist(), counts)])
-        if len(result) > 2:
-            out.logprobs = [row[:c] for row, c in zip(result[2].tolist(), counts)]
-            out.top_logprobs = [[list(zip(i, v)) for i, v in zip(ids[:c], vals[:c])]
-                                for ids, vals, c in zip(result[4].tolist(), result[3].tolist(), counts)]
+        counts = [n + 1 for n in result.accepted.tolist()]
+        out = StepOutput(tokens=[row[:c] for row, c in zip(result.emitted.tolist(), counts)])
+        if result.logprobs is not None:
+            out.logprobs = [row[:c] for row, c in zip(result.logprobs.tolist(), counts)]
+            out.top_logprobs = [[list(zip(i, v)) for i, v in zip(ids[:c], vals[:c])] for ids, vals, c in
+                                zip(result.top_ids.tolist(), result.top_values.tolist(), counts)]
         return out
+
+    def phase_times(self, result: StepResult) -> list[tuple[str, float]]:
+        """(phase, device seconds) of a finished speculative step, from the marks it recorded."""
+        marks, device = result.marks, self.device
+        return [(name, device.seconds_between(prev, cur)) for (_, prev), (name, cur) in zip(marks, marks[1:])]
 
 
 def to_device(sb: SamplingBatch, dev: torch.device) -> SamplingBatch:

@@ -1,10 +1,9 @@
-"""One DP rank: a coroutine loop that overlaps CPU scheduling of batch N+1 with
-device execution of batch N.
+"""One DP rank: a coroutine loop around the engine core, which overlaps CPU scheduling of
+batch N+1 with device execution of batch N (engine/core.py).
 
-    batch = schedule()            # CPU: pick requests, allocate KV, build inputs
-    launched = launch(batch)      # queue it on the device stream; returns at once
-    await finish(in_flight)       # the previous batch: outputs -> requests -> front
-    in_flight = launched
+    take new requests and aborts from the front
+    news = await core.step()      # schedule + launch N+1, finish N
+    send each request's news to the front
 
 `--disable-overlap-schedule` runs the same steps without the lag.
 """
@@ -12,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from dataclasses import dataclass
 
-from devices.base import Device, Launched
+from devices.base import Device
 from engine.args import ServerArgs
-from engine.messages import AbortRequest, AddRequest, RankStats, RequestRejected, Shutdown, TokenDelta
+from engine.core import EngineCore, Finished
 from engine.kv_pool import KVPool
+from engine.messages import (AbortRequest, AddRequest, RankStats, RequestFailed, RequestRejected, Shutdown,
+                             TokenDelta)
 from engine.model_runner import ModelRunner
 from engine.request import Request
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from engine.trace import OverlapMeter, Tracer
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.trace import Tracer
 from engine.wire import Channel
 
 log = logging.getLogger(__name__)
@@ -30,29 +31,35 @@ STATS_INTERVAL = 0.5
 LOG_INTERVAL = 10.0
 
 
-@dataclass
-class InFlight:
-    batch: ScheduledBatch
-    launched: Launched
+def scheduler_config(args: ServerArgs, runner: ModelRunner, future_slots: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
+        max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
+        context_length=runner.context_length, future_slots=future_slots,
+        spec_tokens=runner.spec_tokens, spec_off_batch_size=args.spec_off_batch_size,
+        draft_skips_prefill=runner.draft_skips_prefill)
+
+
+def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None) -> EngineCore:
+    """The model runner, KV pool and scheduler of one rank, wired as the rank runs them."""
+    future_slots = 2 * args.max_running_requests + 2        # two batches of outputs in flight
+    runner = ModelRunner(args, device, future_slots)
+    device.order_after_setup()
+    pool = KVPool(runner.num_slots, args.page_size, runner.num_rows)
+    scheduler = Scheduler(scheduler_config(args, runner, future_slots), pool, eos_ids)
+    return EngineCore(scheduler, runner, args.enable_overlap, tracer)
 
 
 class Rank:
     def __init__(self, args: ServerArgs, rank: int, device: Device, channel: Channel, eos_ids: frozenset[int]):
         self.args, self.rank, self.device, self.channel = args, rank, device, channel
-        future_slots = 2 * args.max_running_requests + 2        # two batches of outputs in flight
-        self.runner = ModelRunner(args, device, future_slots)
-        self.pool = KVPool(self.runner.num_slots, args.page_size, self.runner.num_rows)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
-            max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-            context_length=self.runner.context_length, future_slots=future_slots,
-            spec_tokens=self.runner.spec_tokens, spec_off_batch_size=args.spec_off_batch_size,
-            draft_skips_prefill=self.runner.draft_skips_prefill), self.pool, eos_ids)
+        self.tracer = Tracer(args.trace_file, rank)
+        self.core = build_core(args, device, eos_ids, self.tracer)
+        self.core.observers.append(self.account)
+        self.runner, self.scheduler, self.pool = self.core.runner, self.core.scheduler, self.core.scheduler.pool
         self.inbox: list = []
         self.wake = asyncio.Event()
         self.stopping = False
-        self.tracer = Tracer(args.trace_file, rank)
-        self.overlap = OverlapMeter()
         self.generated = 0
         self.accept_hist = [0] * self.runner.spec_tokens      # emitted 1 .. k+1 tokens
         self.phase_seconds: dict[str, float] = {}
@@ -63,63 +70,29 @@ class Rank:
 
     async def run(self) -> None:
         reader = asyncio.create_task(self.read_front())
-        in_flight: InFlight | None = None
         try:
             while not self.stopping:
                 self.take_inbox()
-                launched = self.schedule_and_launch()
-                if in_flight:
-                    await self.finish(in_flight)
-                in_flight = launched
-                if in_flight and not self.args.enable_overlap:
-                    await self.finish(in_flight)
-                    in_flight = None
+                self.send_news(await self.core.step())
                 self.report()
-                if in_flight is None and not self.scheduler.has_work:
+                if not self.core.busy:
                     await self.idle()
-            if in_flight:
-                await self.finish(in_flight)
+            self.send_news(await self.core.drain())
+            await self.channel.writer.drain()
         finally:
             reader.cancel()
             self.tracer.close()
 
-    def schedule_and_launch(self) -> InFlight | None:
-        start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        scheduled = time.perf_counter()
-        launched = InFlight(batch, self.runner.launch(batch)) if batch else None
-        end = time.perf_counter()
-        self.overlap.cpu(start, end)
-        if batch:
-            self.tracer.span("schedule", f"schedule {batch.step}", start, scheduled,
-                             seqs=len(batch.seqs), tokens=batch.num_tokens)
-            self.tracer.span("launch", f"launch {batch.step}", scheduled, end)
-        return launched
-
-    async def finish(self, in_flight: InFlight) -> None:
-        result = await in_flight.launched
-        start = time.perf_counter()
-        launched = in_flight.launched
-        self.overlap.device(launched.started, launched.finished)
-        self.tracer.span("device", f"forward {in_flight.batch.step}", launched.started, launched.finished,
-                         tokens=in_flight.batch.num_tokens)
-        output = self.runner.output(result)
-        if in_flight.batch.is_spec_decode:
-            self.account_spec_step(in_flight, output)
-        touched = self.scheduler.process(in_flight.batch, output)
-        self.generated += sum(len(run) for run in output.tokens)
-        for req in touched:
-            self.send_delta(req)
-        end = time.perf_counter()
-        self.overlap.cpu(start, end)
-        self.tracer.span("process", f"process {in_flight.batch.step}", start, end)
-
-    def account_spec_step(self, in_flight: InFlight, output) -> None:
-        if in_flight.batch.chain:             # plain steps under load are counted apart (spec_off_steps)
-            for run in output.tokens:
+    def account(self, done: Finished) -> None:
+        """Tokens, accept lengths and speculative phase times of each processed step."""
+        self.generated += sum(len(run) for run in done.output.tokens)
+        if not done.batch.is_spec_decode:
+            return
+        if done.batch.chain:                  # plain steps under load are counted apart (spec_off_steps)
+            for run in done.output.tokens:
                 self.accept_hist[len(run) - 1] += 1
-        t = in_flight.launched.started
-        for phase, seconds in self.runner.spec.take_phase_times():
+        t = done.launched.started
+        for phase, seconds in self.runner.phase_times(done.result):
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
             self.tracer.span("device", phase, t, t + seconds)
             t += seconds
@@ -132,6 +105,11 @@ class Rank:
             except asyncio.TimeoutError:
                 pass
         await self.channel.writer.drain()
+
+    def stop(self) -> None:
+        """Finish the step in flight and stop (the front tells the rank so with Shutdown)."""
+        self.stopping = True
+        self.wake.set()
 
     # ---- the front -----------------------------------------------------------------
 
@@ -159,9 +137,16 @@ class Rank:
             elif isinstance(msg, AbortRequest):
                 req = self.scheduler.abort(msg.rid, "abort" if msg.reason == "abort" else "stop")
                 if req:
-                    self.send_delta(req)
+                    self.send_news([req])
             elif isinstance(msg, Shutdown):
-                self.stopping = True
+                self.stop()
+
+    def send_news(self, requests: list[Request]) -> None:
+        for req in requests:
+            if req.finish_reason == "error":
+                self.channel.send_nowait(RequestFailed(req.rid, req.error))
+            else:
+                self.send_delta(req)
 
     def send_delta(self, req: Request) -> None:
         new = req.output_ids[req.sent:]
@@ -190,7 +175,7 @@ class Rank:
             log.info("rank %d: %.1f tok/s, running %d, waiting %d, KV %d/%d, hidden CPU %.0f%%%s",
                      self.rank, self.generated / (now - self.last_log), len(self.scheduler.running),
                      len(self.scheduler.waiting), self.pool.used_slots, self.pool.total_slots,
-                     100 * self.overlap.hidden_fraction,
+                     100 * self.core.meter.hidden_fraction,
                      self.spec_log_text())
             self.generated, self.last_log = 0, now
         self.last_stats = now
@@ -208,7 +193,17 @@ class Rank:
     def stats(self) -> RankStats:
         return RankStats(rank=self.rank, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                          kv_used=self.pool.used_slots, kv_total=self.pool.total_slots, steps=self.scheduler.step,
-                         hidden_cpu_fraction=self.overlap.hidden_fraction, retractions=self.scheduler.retractions,
+                         hidden_cpu_fraction=self.core.meter.hidden_fraction, retractions=self.scheduler.retractions,
                          spec_accept_len=self.accept_length(), spec_accept_hist=list(self.accept_hist),
                          spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist),
-                         spec_off_steps=self.scheduler.spec_off_steps)
+                         spec_off_steps=self.scheduler.spec_off_steps, failed_steps=self.core.failed_steps,
+                         resident_memory_bytes=resident_memory_bytes())
+
+
+def resident_memory_bytes() -> int:
+    """This process's RSS, from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

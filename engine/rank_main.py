@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -13,8 +14,12 @@ import torch
 from devices.base import create_device
 from engine.args import ServerArgs
 from engine.messages import RankReady, ToRank
+from engine.core import EngineBroken
 from engine.rank import Rank
 from engine.wire import Channel
+
+log = logging.getLogger(__name__)
+TERM_GRACE_S = 10.0
 
 
 def eos_token_ids(model_path: str, config) -> frozenset[int]:
@@ -40,11 +45,17 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(args.model_path)
     worker = Rank(args, rank, device, channel, eos_token_ids(args.model_path, config))
+    # SIGTERM (a process-group kill, say): the front drives the shutdown; stop anyway if it never does
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGTERM, lambda: asyncio.get_running_loop().call_later(args.shutdown_timeout + TERM_GRACE_S, worker.stop))
     await channel.send(RankReady(rank=rank, kv_total=worker.pool.total_slots,
                                  context_length=worker.runner.context_length,
                                  description=f"{Path(args.model_path).name} on {device.torch_device}"))
     try:
         await worker.run()
+    except EngineBroken as exc:
+        log.error("rank %d: %s; exiting so that the front starts a new rank", rank, exc)
+        raise SystemExit(3) from None
     finally:
         device.close()
         channel.close()
@@ -57,6 +68,7 @@ def cpu_threads(args: ServerArgs) -> int:
 
 def rank_main(args: ServerArgs, rank: int, socket_path: str) -> None:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the whole group; the front stops the ranks
     torch.set_num_threads(1)           # the loop's own torch calls; the CPU stream sets its threads
     torch.manual_seed(args.random_seed)
     try:

@@ -47,7 +47,8 @@ class Request:
         self.plain = False            # its last step was a plain decode under load (Scheduler.feed_plain)
         self.pending = 0
         self.future_id = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None    # "stop" | "length" | "abort" | "error"
+        self.error = ""                         # why, when finish_reason is "error"
         self.matched_stop: int | None = None
         self.sent = 0                 # outputs already sent to the front
         self.retractions = 0

@@ -14,6 +14,13 @@ import torch
 from engine.messages import SamplingParams
 
 SEED_STRIDE = 1_000_003
+GENERATOR_SEED_MASK = (1 << 64) - 1     # torch.Generator.manual_seed takes 64-bit seeds
+
+
+def generator_seed(seed: int, position: int, salt: int) -> int:
+    """The generator seed of one row's draw: any request seed (the API allows up to 2**63) gives
+    a valid 64-bit seed, the same one every time."""
+    return ((seed * SEED_STRIDE + position) * 64 + salt) & GENERATOR_SEED_MASK
 
 
 @dataclass
@@ -74,7 +81,7 @@ def seeded_noise(shape: tuple[int, ...], sb: SamplingBatch, generator: torch.Gen
     noise = draw(torch.empty(shape, device=device), generator)
     for row, seed in enumerate(sb.seeds):
         if seed is not None:
-            g = torch.Generator(device=device).manual_seed((seed * SEED_STRIDE + sb.positions[row]) * 64 + salt)
+            g = torch.Generator(device=device).manual_seed(generator_seed(seed, sb.positions[row], salt))
             noise[row] = draw(torch.empty(shape[1:], device=device), g)
     return noise
 

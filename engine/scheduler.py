@@ -166,6 +166,25 @@ class Scheduler:
         self.finish(req)
         return req
 
+    def fail(self, req: Request, message: str) -> None:
+        """End a request whose batch failed: finish_reason "error", everything it holds freed."""
+        if not req.finished:
+            req.finish_reason, req.error = "error", message
+            self.finish(req)
+
+    def void(self, batch: ScheduledBatch) -> None:
+        """A launched batch whose outputs will never be applied (a step before it failed): forget
+        its outputs in flight and send its unfinished requests back to recompute from what is
+        known, as a retraction does (their device state is re-seeded by their next prefill)."""
+        for seq in batch.sampling:
+            req = seq.req
+            if not req.finished:
+                req.pending -= 1
+                req.drafting -= seq.spec and batch.chain > 0
+        for req in {id(seq.req): seq.req for seq in batch.seqs}.values():
+            if req.status is Status.RUNNING:
+                self.retract(req)
+
     @property
     def has_work(self) -> bool:
         return bool(self.running) or any(r.pending == 0 for r in self.waiting)

@@ -21,14 +21,20 @@ class EngineRejected(Exception):
 
 
 class EngineDead(Exception):
-    """The rank process serving the request is gone; the request cannot finish."""
+    """The rank process serving the request is gone (or the server is shutting down); the request
+    cannot finish. HTTP 503."""
+
+
+class EngineFailed(Exception):
+    """The engine hit an error while running this request's batch; the request was ended and
+    its resources freed, and the engine goes on serving the others. HTTP 500."""
 
 
 class EngineClient(ABC):
     @abstractmethod
     def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """Yield TokenDeltas for one request; the last one has finish_reason set.
-        Raises EngineRejected / EngineDead. Closing the iterator (or cancelling the task
+        Raises EngineRejected / EngineDead / EngineFailed. Closing the iterator (or cancelling the task
         consuming it) before the last delta aborts the request in the engine."""
 
     @abstractmethod
@@ -37,11 +43,17 @@ class EngineClient(ABC):
 
     @abstractmethod
     def is_healthy(self) -> bool:
-        """False once any rank process has died."""
+        """True while requests can be served: some rank is up and the server is not stopping."""
 
     @abstractmethod
     def rank_stats(self) -> list[RankStats]:
-        """The latest gauges from each rank."""
+        """The latest gauges from each rank that is up."""
+
+    restarts = 0        # rank processes restarted after they died
+
+    def ranks_up(self) -> int:
+        """Rank processes serving now."""
+        return len(self.rank_stats())
 
     @abstractmethod
     async def close(self) -> None:

@@ -12,7 +12,7 @@ import re
 import msgspec
 from aiohttp import web
 
-from server.engine_client import EngineDead, EngineRejected
+from server.engine_client import EngineDead, EngineFailed, EngineRejected
 
 log = logging.getLogger("tandem.http")
 
@@ -70,10 +70,12 @@ def from_engine_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineDead):
         return APIError(503, f"The engine is unavailable: {exc}" if str(exc) else "The engine is unavailable.",
                         code="engine_dead")
+    if isinstance(exc, EngineFailed):
+        return APIError(500, f"The engine failed while running this request: {exc}", code="engine_error")
     raise TypeError(f"not an engine error: {exc!r}")
 
 
-ENGINE_ERRORS = (EngineRejected, EngineDead)
+ENGINE_ERRORS = (EngineRejected, EngineDead, EngineFailed)
 
 
 @web.middleware

@@ -1,4 +1,10 @@
-"""Start a unified node: the rank processes, then the HTTP front on uvloop."""
+"""Start a unified node: the rank processes, then the HTTP front on uvloop; stop it gracefully.
+
+On SIGTERM or SIGINT the front stops taking requests (503, and /health says 503), lets those in
+flight finish for up to --shutdown-timeout seconds, ends the rest with an error, stops the ranks
+(each flushes its --trace-file) and returns 0. A second signal ends the wait at once. If the rank
+supervisor gives up (too many rank deaths), serve returns 1.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -12,16 +18,26 @@ from engine.args import ServerArgs
 from server.rank_client import RankEngineClient
 
 log = logging.getLogger("tandem")
+DRAIN_POLL_S = 0.1
+ERROR_FLUSH_S = 2.0         # after ending the last requests: time for their handlers to answer
 
 
-async def serve(args: ServerArgs) -> None:
+async def serve(args: ServerArgs) -> int:
     from transformers import AutoTokenizer
     from server.app import create_app
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     engine = RankEngineClient(args)
-    readies = await engine.start()
+    signals = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    try:
+        readies = await engine.start()
+    except BaseException:
+        await engine.close()
+        raise
     context_length = min(r.context_length for r in readies)
     for r in readies:
         log.info("rank %d ready: %s, %d KV tokens", r.rank, r.description, r.kv_total)
@@ -30,13 +46,42 @@ async def serve(args: ServerArgs) -> None:
     await web.TCPSite(runner, args.host, args.port).start()
     log.info("serving %s on http://%s:%d (start-up %.1f s, overlap %s)", args.model_name, args.host, args.port,
              time.perf_counter() - started, "on" if args.enable_overlap else "off")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        code = await wait_for_stop(engine, signals)
+        if code == 0:
+            await drain(engine, signals, args.shutdown_timeout)
     finally:
         log.info("shutting down")
         await runner.cleanup()
         await engine.close()
+    return code
+
+
+async def wait_for_stop(engine: RankEngineClient, signals: asyncio.Queue) -> int:
+    """0 when a signal asks the server to stop, 1 when the rank supervisor gave up."""
+    got_signal = asyncio.ensure_future(signals.get())
+    gave_up = asyncio.ensure_future(engine.gave_up.wait())
+    await asyncio.wait({got_signal, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+    got_signal.cancel()
+    gave_up.cancel()
+    if engine.gave_up.is_set():
+        log.error("exiting: %s", engine.give_up_reason)
+        return 1
+    return 0
+
+
+async def drain(engine: RankEngineClient, signals: asyncio.Queue, timeout: float) -> None:
+    """Refuse new requests; let those in flight finish for up to `timeout` s (or until a second
+    signal), then end the rest with an error."""
+    engine.draining = True
+    log.info("stopping: %d requests in flight get up to %.0f s to finish (a second signal stops now)",
+             engine.in_flight, timeout)
+    deadline = time.monotonic() + timeout
+    while engine.in_flight and time.monotonic() < deadline and signals.empty():
+        await asyncio.sleep(DRAIN_POLL_S)
+    if engine.in_flight:
+        log.warning("ending %d requests that did not finish in time", engine.in_flight)
+        engine.fail_all("the server is shutting down")
+        flush_deadline = time.monotonic() + ERROR_FLUSH_S
+        while engine.in_flight and time.monotonic() < flush_deadline:
+            await asyncio.sleep(DRAIN_POLL_S)

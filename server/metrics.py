@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -47,6 +47,14 @@ class RankStatsCollector(Collector):
             ("tandem_spec_accept_length", "Mean accepted tokens per speculative verify step (mean over ranks).",
              mean("spec_accept_len")),
         ]
+        yield GaugeMetricFamily("tandem_ranks_up", "Rank processes running and connected.",
+                                value=self.engine.ranks_up())
+        yield CounterMetricFamily("tandem_rank_restarts", "Rank processes restarted after they died.",
+                                  value=self.engine.restarts)
+        yield CounterMetricFamily("tandem_failed_steps", "Launched steps that failed; only their requests got "
+                                  "errors (since the ranks started).", value=total("failed_steps"))
+        yield GaugeMetricFamily("tandem_rank_resident_memory_bytes", "Resident memory of the rank processes.",
+                                value=total("resident_memory_bytes"))
         yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without speculation because as many "
                                   "requests decoded as --speculative-disable-by-batch-size.", value=total("spec_off_steps"))
         for name, doc, value in gauges:
@@ -92,6 +100,7 @@ class Metrics:
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to the end of the response.",
                              buckets=LATENCY_BUCKETS, registry=reg)
         reg.register(RankStatsCollector(engine))
+        ProcessCollector(registry=reg)          # process_resident_memory_bytes etc. of the front
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

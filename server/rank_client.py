@@ -1,5 +1,12 @@
-"""The front's side of the rank processes: spawn them, talk to them over unix
-sockets, route each request's deltas to its stream, notice when a rank dies."""
+"""The front's side of the rank processes: spawn them, talk to them over unix sockets, route
+each request's deltas to its stream, and supervise them.
+
+Supervision: when a rank process dies (an exception, SIGKILL, the OOM killer) its in-flight
+requests fail at once, its gauges leave /metrics, and a new process is started that loads the
+model again and rejoins. More than --max-rank-restarts deaths within RESTART_WINDOW_S make the
+front give up (`gave_up` is set): the server then exits non-zero so that its own supervisor
+(systemd, Kubernetes) takes over.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -7,97 +14,131 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import tempfile
+import time
+from collections import deque
 from typing import AsyncIterator
 
 from engine.args import ServerArgs
-from engine.messages import (AbortRequest, AddRequest, FromRank, RankReady, RankStats, RequestRejected,
-                             SamplingParams, Shutdown, TokenDelta)
+from engine.messages import (AbortRequest, AddRequest, FromRank, RankReady, RankStats, RequestFailed,
+                             RequestRejected, SamplingParams, Shutdown, TokenDelta)
 from engine.rank_main import rank_main
 from engine.wire import Channel
-from server.engine_client import EngineClient, EngineDead, EngineRejected
+from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0
+RESTART_WINDOW_S = 600.0
+WATCH_INTERVAL_S = 0.2
 
 
 class RankLink:
-    def __init__(self, rank: int, process: mp.process.BaseProcess):
+    """One rank: its current process and connection (both replaced when it restarts)."""
+
+    def __init__(self, rank: int):
         self.rank = rank
-        self.process = process
+        self.process: mp.process.BaseProcess | None = None
         self.channel: Channel | None = None
         self.ready: RankReady | None = None
         self.stats: RankStats | None = None
-        self.alive = True
+        self.alive = False
+        self.connected: asyncio.Future | None = None     # resolved with (channel, RankReady) by the socket server
         self.load = 0
+        self.tasks: list[asyncio.Task] = []
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 class RankEngineClient(EngineClient):
     def __init__(self, args: ServerArgs):
         self.args = args
-        self.links: list[RankLink] = []
+        self.links = [RankLink(rank) for rank in range(args.dp_size)]
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, RankLink] = {}
-        self.tasks: list[asyncio.Task] = []
         self.round_robin = itertools.count()
         self.aborted: set[str] = set()         # aborted by the front; the stream's end must not abort again
         self.socket_dir = tempfile.mkdtemp(prefix="tandem-")
+        self.socket_path = os.path.join(self.socket_dir, "front.sock")
+        self.server: asyncio.AbstractServer | None = None
+        self.deaths: deque[float] = deque()    # monotonic times of rank deaths in the restart window
+        self.restarts = 0
+        self.gave_up = asyncio.Event()
+        self.give_up_reason = ""
+        self.draining = False                  # shutting down: new requests are refused
+        self.closing = False
+        self.supervisors: set[asyncio.Task] = set()
 
     # ---- start and stop ------------------------------------------------------------
 
     async def start(self) -> list[RankReady]:
-        socket_path = os.path.join(self.socket_dir, "front.sock")
-        connected: asyncio.Queue = asyncio.Queue()
-
-        async def on_connect(reader, writer):
-            await connected.put(Channel(reader, writer, FromRank))
-
-        server = await asyncio.start_unix_server(on_connect, path=socket_path)
-        ctx = mp.get_context("spawn")
-        for rank in range(self.args.dp_size):
-            proc = ctx.Process(target=rank_main, args=(self.args, rank, socket_path), name=f"tandem-rank{rank}",
-                               daemon=True)
-            proc.start()
-            self.links.append(RankLink(rank, proc))
-        try:
-            for _ in self.links:
-                channel = await self.wait_connected(connected)
-                ready = await asyncio.wait_for(channel.recv(), START_TIMEOUT)
-                link = self.links[ready.rank]
-                link.channel, link.ready = channel, ready
-        finally:
-            server.close()
-        for link in self.links:
-            self.tasks.append(asyncio.create_task(self.read_rank(link)))
-            self.tasks.append(asyncio.create_task(self.watch_process(link)))
+        self.server = await asyncio.start_unix_server(self.on_connect, path=self.socket_path)
+        await asyncio.gather(*[self.bring_up(link) for link in self.links])
         return [link.ready for link in self.links]
 
-    async def wait_connected(self, connected: asyncio.Queue) -> Channel:
-        deadline = asyncio.get_running_loop().time() + START_TIMEOUT
-        while True:
-            dead = [link for link in self.links if not link.process.is_alive()]
-            if dead:
-                raise RuntimeError(f"rank {dead[0].rank} exited during start-up (code {dead[0].process.exitcode}); "
+    async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A rank process connected: its first frame says which rank it is."""
+        channel = Channel(reader, writer, FromRank)
+        try:
+            ready = await asyncio.wait_for(channel.recv(), START_TIMEOUT)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            log.warning("a rank connected but never said it was ready (%s)", type(exc).__name__)
+            channel.close()
+            return
+        link = self.links[ready.rank] if isinstance(ready, RankReady) and ready.rank < len(self.links) else None
+        if link is None or link.connected is None or link.connected.done():
+            log.warning("unexpected connection on the rank socket: %r", ready)
+            channel.close()
+            return
+        link.connected.set_result((channel, ready))
+
+    async def bring_up(self, link: RankLink) -> None:
+        """Start the rank's process and wait until its model is loaded and it is connected."""
+        ctx = mp.get_context("spawn")
+        link.connected = asyncio.get_running_loop().create_future()
+        link.process = ctx.Process(target=rank_main, args=(self.args, link.rank, self.socket_path),
+                                   name=f"tandem-rank{link.rank}", daemon=True)
+        link.process.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not link.connected.done():
+            if not link.process.is_alive():
+                raise RuntimeError(f"rank {link.rank} exited during start-up ({describe_exit(link.process.exitcode)}); "
                                    f"see its log above")
-            try:
-                return await asyncio.wait_for(connected.get(), 0.5)
-            except asyncio.TimeoutError:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise RuntimeError("ranks did not start in time")
+            if time.monotonic() > deadline:
+                link.process.kill()
+                raise RuntimeError(f"rank {link.rank} did not start in {START_TIMEOUT:.0f} s")
+            await asyncio.wait({link.connected}, timeout=WATCH_INTERVAL_S)
+        link.channel, link.ready = link.connected.result()
+        link.alive = True
+        link.tasks = [asyncio.create_task(self.read_rank(link)), asyncio.create_task(self.watch_process(link))]
 
     async def close(self) -> None:
+        self.closing = True
+        for task in list(self.supervisors):
+            task.cancel()
         for link in self.links:
             if link.alive and link.channel:
                 try:
                     await link.channel.send(Shutdown())
                 except ConnectionError:
                     pass
-        for task in self.tasks:
-            task.cancel()
         for link in self.links:
-            await asyncio.to_thread(link.process.join, 10)
-            if link.process.is_alive():
-                link.process.kill()
+            if link.process is not None:
+                await asyncio.to_thread(link.process.join, 10)
+                if link.process.is_alive():
+                    log.warning("rank %d did not stop in time; killing it", link.rank)
+                    link.process.kill()
+                    await asyncio.to_thread(link.process.join, 5)
+            for task in link.tasks:
+                task.cancel()
+        if self.server is not None:
+            self.server.close()
 
     # ---- per request ---------------------------------------------------------------
 
@@ -136,48 +177,109 @@ class RankEngineClient(EngineClient):
             link.channel.send_nowait(AbortRequest(rid, reason))
 
     def pick_rank(self) -> RankLink:
+        if self.draining:
+            raise EngineDead("the server is shutting down")
         alive = [link for link in self.links if link.alive]
         if not alive:
-            raise EngineDead("no rank is running")
+            raise EngineDead("no rank is running (restarting)" if not self.gave_up.is_set() else "no rank is running")
         least = min(link.load for link in alive)
         candidates = [link for link in alive if link.load == least]
         return candidates[next(self.round_robin) % len(candidates)]
 
     def is_healthy(self) -> bool:
-        return bool(self.links) and all(link.alive for link in self.links)
+        return not self.draining and any(link.alive for link in self.links)
 
     def rank_stats(self) -> list[RankStats]:
-        return [link.stats for link in self.links if link.stats is not None]
+        return [link.stats for link in self.links if link.alive and link.stats is not None]
+
+    def ranks_up(self) -> int:
+        return sum(link.alive for link in self.links)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.streams)
+
+    def fail_all(self, why: str) -> None:
+        """End every request in flight with an error (shutdown); the ranks are told to abort them."""
+        for rid, queue in list(self.streams.items()):
+            queue.put_nowait(EngineDead(why))
+            link = self.owner.get(rid)
+            if link and link.alive and rid not in self.aborted:
+                self.aborted.add(rid)
+                link.channel.send_nowait(AbortRequest(rid, "abort"))
 
     # ---- per rank ------------------------------------------------------------------
 
     async def read_rank(self, link: RankLink) -> None:
+        channel = link.channel
         try:
             while True:
-                msg = await link.channel.recv()
-                if isinstance(msg, TokenDelta):
-                    queue = self.streams.get(msg.rid)
-                    if queue:
-                        queue.put_nowait(msg)
-                elif isinstance(msg, RequestRejected):
-                    queue = self.streams.get(msg.rid)
-                    if queue:
-                        queue.put_nowait(EngineRejected(msg.message, msg.status))
-                elif isinstance(msg, RankStats):
+                msg = await channel.recv()
+                if isinstance(msg, RankStats):
                     link.stats = msg
+                    continue
+                queue = self.streams.get(msg.rid)
+                if queue is None:
+                    continue
+                if isinstance(msg, TokenDelta):
+                    queue.put_nowait(msg)
+                elif isinstance(msg, RequestRejected):
+                    queue.put_nowait(EngineRejected(msg.message, msg.status))
+                elif isinstance(msg, RequestFailed):
+                    queue.put_nowait(EngineFailed(msg.message))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            self.mark_dead(link, f"connection lost ({type(exc).__name__})")
+            self.rank_died(link, f"connection lost ({type(exc).__name__})")
 
     async def watch_process(self, link: RankLink) -> None:
-        while link.process.is_alive():
-            await asyncio.sleep(0.5)
-        self.mark_dead(link, f"process exited with code {link.process.exitcode}")
+        process = link.process
+        while process.is_alive():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        await asyncio.to_thread(process.join, 1)
+        self.rank_died(link, describe_exit(process.exitcode))
 
-    def mark_dead(self, link: RankLink, why: str) -> None:
+    def rank_died(self, link: RankLink, why: str) -> None:
+        """Fail its requests, forget its gauges, and start a new process (once per death)."""
         if not link.alive:
             return
-        link.alive = False
-        log.error("rank %d is gone: %s; failing its requests", link.rank, why)
+        link.alive, link.stats = False, None
+        if self.closing:
+            return
+        if link.process.is_alive():
+            link.process.kill()                  # its connection broke: the process is no use any more
+        link.channel.close()
+        log.error("rank %d died (%s); failing its %d requests", link.rank, why, link.load)
         for rid, owner in list(self.owner.items()):
             if owner is link and rid in self.streams:
                 self.streams[rid].put_nowait(EngineDead(f"rank {link.rank} died: {why}"))
+        task = asyncio.create_task(self.restart(link))
+        self.supervisors.add(task)
+        task.add_done_callback(self.supervisors.discard)
+
+    async def restart(self, link: RankLink) -> None:
+        for task in link.tasks:
+            task.cancel()
+        await asyncio.to_thread(link.process.join, 5)
+        log.error("rank %d process %d ended: %s", link.rank, link.process.pid, describe_exit(link.process.exitcode))
+        while True:
+            now = time.monotonic()
+            self.deaths.append(now)
+            while self.deaths and now - self.deaths[0] > RESTART_WINDOW_S:
+                self.deaths.popleft()
+            if len(self.deaths) > self.args.max_rank_restarts:
+                self.give_up(f"{len(self.deaths)} rank deaths within {RESTART_WINDOW_S / 60:.0f} minutes "
+                             f"(--max-rank-restarts {self.args.max_rank_restarts})")
+                return
+            log.warning("restarting rank %d (restart %d in the window)", link.rank, len(self.deaths))
+            try:
+                await self.bring_up(link)
+            except RuntimeError as exc:
+                log.error("rank %d failed to restart: %s", link.rank, exc)
+                continue
+            self.restarts += 1
+            log.info("rank %d is back: %s", link.rank, link.ready.description)
+            return
+
+    def give_up(self, reason: str) -> None:
+        self.give_up_reason = reason
+        log.critical("giving up: %s; the server exits so that its supervisor can take over", reason)
+        self.gave_up.set()

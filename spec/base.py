@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from abc import ABC, abstractmethod
-from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -23,7 +22,7 @@ from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
-    from engine.model_runner import BatchInputs, ModelRunner
+    from engine.model_runner import BatchInputs, ModelRunner, StepResult
     from engine.models.attention import AttentionBatch
     from engine.models.base import ModelOutput
 
@@ -49,7 +48,6 @@ class SpecWorker(ABC):
         rows, dev = runner.num_rows, runner.device.torch_device
         self.kv_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.bonus = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.phase_marks: deque[list[tuple[str, object]]] = deque()   # per decode step, in launch order
         # chains are trimmed per row (ConfidenceTrim, verify's widths) only where that costs no sync
         self.trims = runner.device.free_host_reads
 
@@ -92,22 +90,16 @@ class SpecWorker(ABC):
         self.kv_len[rows] = L + v.n + 1
         self.bonus[rows] = v.emitted[torch.arange(rows.shape[0], device=rows.device), v.n]
 
-    def take_phase_times(self) -> list[tuple[str, float]]:
-        """(phase, seconds) of the oldest finished decode step; call once per finished step."""
-        marks = self.phase_marks.popleft()
-        device = self.runner.device
-        return [(name, device.seconds_between(prev, cur)) for (_, prev), (name, cur) in zip(marks, marks[1:])]
-
     @abstractmethod
     def after_prefill(self, inp: "BatchInputs", input_ids: torch.Tensor, attn: "AttentionBatch",
                       out: "ModelOutput", sampled: torch.Tensor) -> None:
         """On the stream, after a prefill batch sampled: seed the rows whose prompt is now complete."""
 
     @abstractmethod
-    def decode_step(self, inp: "BatchInputs") -> tuple:
+    def decode_step(self, inp: "BatchInputs") -> "StepResult":
         """On the stream: draft inp.chain tokens per row (0: none, a plain step under load), verify,
-        accept, update state. Returns host tensors (emitted [B, chain+1], accepted drafts n [B], and
-        logprob tensors when asked)."""
+        accept, update state. Returns host tensors (emitted [B, chain+1], accepted drafts n [B],
+        logprob tensors when asked, and the step's phase marks)."""
 
     def draft_kv_layout(self) -> tuple[int, int, int] | None:
         """(layers, kv_heads, head_dim) of the draft's own KV cache; None without a draft model."""

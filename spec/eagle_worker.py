@@ -100,7 +100,7 @@ class EagleWorker(SpecWorker):
 
     # ---- one speculative step ------------------------------------------------------
 
-    def decode_step(self, inp) -> tuple:
+    def decode_step(self, inp):
         runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
@@ -131,5 +131,4 @@ class EagleWorker(SpecWorker):
         self.seed_rows(rows, g_all[v.flat_index(v.n)], sb, salt=30)
         self.advance(rows, L, v)
         self.mark("extend", marks)
-        self.phase_marks.append(marks)
-        return runner.step_result(v.emitted, v.n, v.logits, sb)
+        return runner.step_result(v.emitted, v.n, v.logits, sb, marks)

@@ -71,7 +71,7 @@ class NgramWorker(SpecWorker):
 
     # ---- one speculative step ------------------------------------------------------
 
-    def decode_step(self, inp) -> tuple:
+    def decode_step(self, inp):
         runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
@@ -89,5 +89,4 @@ class NgramWorker(SpecWorker):
         self.history.write_step(rows, L, v.emitted)
         self.advance(rows, L, v)
         self.mark("verify", marks)
-        self.phase_marks.append(marks)
-        return runner.step_result(v.emitted, v.n, v.logits, sb)
+        return runner.step_result(v.emitted, v.n, v.logits, sb, marks)

@@ -88,7 +88,7 @@ class StandaloneWorker(SpecWorker):
         out = self.draft(self.history.tokens[token_rows, attn.positions], attn)
         return out.hidden[torch.cumsum(q_lens, 0) - 1]
 
-    def decode_step(self, inp) -> tuple:
+    def decode_step(self, inp):
         runner, k, sb = self.runner, inp.chain, inp.sampling
         rows, L, marks = self.start_step(inp)
         dev, batch = rows.device, rows.shape[0]
@@ -115,5 +115,4 @@ class StandaloneWorker(SpecWorker):
         self.history.write_step(rows, L, v.emitted)
         self.advance(rows, L, v)
         self.mark("verify", marks)
-        self.phase_marks.append(marks)
-        return runner.step_result(v.emitted, v.n, v.logits, sb)
+        return runner.step_result(v.emitted, v.n, v.logits, sb, marks)

@@ -46,8 +46,21 @@ class Server:
         raise RuntimeError(f"no healthy server after {START_TIMEOUT_S} s:\n{self.log.read_text()[-3000:]}")
 
     def rank_pids(self) -> list[int]:
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-        return [int(pid) for pid in children.read_text().split()] if children.exists() else []
+        """The rank processes (multiprocessing's spawned children; not its resource tracker)."""
+        return [pid for pid in child_pids(self.process.pid) if b"spawn_main" in cmdline(pid)]
+
+    def wait_ranks(self, count: int, timeout: float = START_TIMEOUT_S) -> list[int]:
+        """The rank pids once `count` ranks are up and /health is 200 (after a restart, say)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, KeyError):
+                with urllib.request.urlopen(self.url + "/metrics", timeout=2) as response:
+                    up = metric(response.read().decode(), "tandem_ranks_up")
+                pids = self.rank_pids()
+                if up == count and len(pids) == count:
+                    return pids
+            time.sleep(0.2)
+        raise RuntimeError(f"{count} healthy ranks not seen in {timeout} s:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
         for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
@@ -57,6 +70,26 @@ class Server:
                 os.killpg(self.process.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(wait_s)
+
+
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    with contextlib.suppress(OSError):
+        return [int(child) for child in children.read_text().split()]
+    return []
+
+
+def cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
 
 
 @contextlib.contextmanager

@@ -3,12 +3,13 @@ without blocking the loop; accelerator tests run only where the device exists.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
 import torch
 
-from devices.base import Deferred, create_device
+from devices.base import Deferred, DeferredWorkFailed, create_device
 from engine.trace import OverlapMeter
 
 
@@ -61,8 +62,9 @@ async def test_cpu_stream_delivers_a_deferred_result_before_its_rest_runs():
     def broken():
         raise ValueError("draft failed")
     await device.launch(lambda: Deferred(3, broken))
-    with pytest.raises(ValueError, match="draft failed"):     # the next launch reports it
+    with pytest.raises(DeferredWorkFailed, match="draft failed") as failed:     # the next launch reports it
         await device.launch(lambda: 4)
+    assert isinstance(failed.value.__cause__, ValueError)
     assert await device.launch(lambda: 5) == 5
     device.close()
 
@@ -78,6 +80,65 @@ async def test_cpu_stream_threads_are_its_own():
     finally:
         device.close()
         torch.set_num_threads(before)
+
+
+class FakeStreamModule:
+    """Just enough of torch.cuda's stream and event API to run StreamDevice on the CPU; an event
+    raises on synchronize while `device_error` is set, as a CUDA context reports a failed kernel."""
+    device_error: str | None = None
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            pass
+
+        def record(self, stream) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            if FakeStreamModule.device_error:
+                raise RuntimeError(FakeStreamModule.device_error)
+
+    @staticmethod
+    def set_device(index: int) -> None:
+        pass
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
+
+    @classmethod
+    def current_stream(cls, index: int | None = None):
+        return cls.Stream()
+
+
+async def test_stream_device_errors_reach_the_awaiting_loop():
+    from devices.stream_device import StreamDevice
+
+    class FakeAccelerator(StreamDevice):
+        name, module = "fake", FakeStreamModule
+
+    device = FakeAccelerator(0)
+    device.order_after_setup()
+
+    def enqueue_fails():
+        raise ValueError("bad shapes")
+    with pytest.raises(ValueError, match="bad shapes"):             # raised while enqueuing
+        await asyncio.wait_for(device.launch(enqueue_fails), 5)
+    FakeStreamModule.device_error = "CUDA error: an illegal memory access was encountered"
+    try:
+        with pytest.raises(RuntimeError, match="illegal memory access"):     # raised by event.synchronize
+            await asyncio.wait_for(device.launch(lambda: 1), 5)
+    finally:
+        FakeStreamModule.device_error = None
+    assert await asyncio.wait_for(device.launch(lambda: 2), 5) == 2
+    device.close()
 
 
 def test_overlap_meter_counts_cpu_time_spent_while_the_device_was_busy():

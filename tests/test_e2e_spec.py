@@ -14,6 +14,7 @@ from tests.server_harness import DENSE, MOE, REPO
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+SPEC_TOKENS = 5              # the most tokens one step emits: EAGLE's default 4 drafts + 1 (standalone: 3 + 1)
 SPEC = {
     "eagle": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(REPO / "models/tandem-dense-eagle")],
     "eagle3": ["--speculative-algorithm", "eagle3", "--speculative-draft-model-path",
@@ -128,6 +129,8 @@ async def test_aborts_mid_speculation_free_every_slot(prompts, algorithm):
             await asyncio.sleep(0.2)
         assert getattr(stats[0], progress) > 0
         assert stats[0].kv_used == 0 and stats[0].running == 0 and stats[0].waiting == 0
+        # freed while they would still be running: any one of them alone needs 1500 / (k+1) steps
+        assert stats[0].steps < 1500 // SPEC_TOKENS
 
 
 async def test_two_data_parallel_ranks_and_stream_interval(prompts, reference):

@@ -154,11 +154,11 @@ def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: boo
                 result.rest()
                 result = result.result
         if inp.spec_decode:
-            last = result[0][torch.arange(result[1].shape[0]), result[1]]
+            last = result.emitted[torch.arange(result.accepted.shape[0]), result.accepted]
             assert torch.equal(runner.futures.tokens[inp.future_ids], last)     # a plain decode's next input
-            drafted.extend(zip(result[1].tolist(), row_widths[-1].tolist()))
+            drafted.extend(zip(result.accepted.tolist(), row_widths[-1].tolist()))
             if widths is not None:
-                widths.append((inp.chain, result[0].shape[1] - 1))
+                widths.append((inp.chain, result.emitted.shape[1] - 1))
             if verified_tokens is not None:
                 verified_tokens.append((inp.rows.numel(), forwards[0]))   # (rows, tokens) of its verify
         return batch, result

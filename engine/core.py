@@ -1,0 +1,175 @@
+"""The engine core of a rank: schedule, launch, process — the same steps with and without overlap.
+
+    launched = launch(schedule())     # batch N+1, queued on the device stream; returns at once
+    await finish(in_flight)           # batch N: outputs -> requests
+    in_flight = launched              # (without overlap: finish(launched) right away)
+
+A step that fails (its work raised on the stream, the device reported an error, or preparing or
+processing it raised) ends only its own requests, with an error; everything they held is freed.
+The batch launched behind it is re-planned around them: their rows in it read the failed
+step's outputs and are dropped when it is processed (they are finished), while its other rows
+never depended on the failed step (each request's inputs come from its own earlier steps, its
+own KV slots and per-row device state), so their work stands and their output, seeded sampling
+included, is what it would have been.
+
+When the deferred part of a step fails (devices/base.py: Deferred), the next launch reports it
+without having run: the step whose deferred part failed is at fault, and the launch that did not
+run and the batch behind it are voided: their outputs are dropped and their other requests go
+back to recompute from what is known, as a retraction does (their device state is re-seeded by
+their next prefill). After MAX_CONSECUTIVE_FAILURES failed steps in a row the device itself is
+suspect: EngineBroken ends the rank, and the front starts a new one.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from devices.base import DeferredWorkFailed, Launched
+from engine.model_runner import ModelRunner, StepResult
+from engine.request import Request
+from engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+from engine.trace import OverlapMeter, Tracer
+
+log = logging.getLogger(__name__)
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+class EngineBroken(RuntimeError):
+    """Steps keep failing whatever they hold: the rank must be replaced."""
+
+
+@dataclass
+class InFlight:
+    batch: ScheduledBatch
+    launched: Launched
+    void: bool = False          # its outputs are never applied (a step before it failed)
+
+
+@dataclass
+class Finished:
+    """A processed step, for observers (the rank's accounting, tests)."""
+    batch: ScheduledBatch
+    launched: Launched
+    result: StepResult
+    output: StepOutput
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool, tracer: Tracer | None = None):
+        self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
+        self.tracer = tracer or Tracer(None, 0)
+        self.meter = OverlapMeter()
+        self.in_flight: InFlight | None = None
+        self.last_awaited: InFlight | None = None
+        self.observers: list[Callable[[Finished], None]] = []
+        self.failed_steps = 0
+        self.consecutive_failures = 0
+        self.broken: EngineBroken | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None or self.scheduler.has_work
+
+    async def step(self) -> list[Request]:
+        """One iteration; returns the requests with news for the front (outputs, or their end)."""
+        if self.broken:
+            raise self.broken
+        launched = self.schedule_and_launch()
+        news: list[Request] = []
+        if self.in_flight:
+            news += await self.finish(self.in_flight, behind=launched)
+        self.in_flight = launched
+        if launched and not self.overlap:
+            self.in_flight = None
+            news += await self.finish(launched, behind=None)
+        return news
+
+    async def drain(self) -> list[Request]:
+        """Finish the step in flight (at shutdown)."""
+        flight, self.in_flight = self.in_flight, None
+        return await self.finish(flight, behind=None) if flight else []
+
+    # ---- launch ----------------------------------------------------------------------
+
+    def schedule_and_launch(self) -> InFlight | None:
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        if batch is None:
+            self.meter.cpu(start, scheduled)
+            return None
+        flight = InFlight(batch, self.launch(batch))
+        end = time.perf_counter()
+        self.meter.cpu(start, end)
+        self.tracer.span("schedule", f"schedule {batch.step}", start, scheduled,
+                         seqs=len(batch.seqs), tokens=batch.num_tokens)
+        self.tracer.span("launch", f"launch {batch.step}", scheduled, end)
+        return flight
+
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """The batch on the device stream; an error while preparing it fails it like a device error."""
+        try:
+            return self.runner.launch(batch)
+        except Exception as exc:       # noqa: BLE001 - delivered to whoever awaits the launch
+            return Launched.failed(exc)
+
+    # ---- finish ----------------------------------------------------------------------
+
+    async def finish(self, flight: InFlight, behind: InFlight | None) -> list[Request]:
+        try:
+            result = await flight.launched
+        except Exception as exc:       # noqa: BLE001 - the step failed: isolate it
+            return self.step_failed(flight, exc, behind)
+        finally:
+            self.account_device(flight)
+        self.last_awaited = flight
+        if flight.void:
+            return []
+        start = time.perf_counter()
+        try:
+            output = self.runner.output(result)
+            news = self.scheduler.process(flight.batch, output)
+        except Exception as exc:       # noqa: BLE001 - a bug on the CPU side: the batch fails alone
+            return self.step_failed(flight, exc, behind)
+        self.consecutive_failures = 0
+        for observe in self.observers:
+            observe(Finished(flight.batch, flight.launched, result, output))
+        end = time.perf_counter()
+        self.meter.cpu(start, end)
+        self.tracer.span("process", f"process {flight.batch.step}", start, end)
+        return news
+
+    def account_device(self, flight: InFlight) -> None:
+        launched = flight.launched
+        if launched.finished:
+            self.meter.device(launched.started, launched.finished)
+            self.tracer.span("device", f"forward {flight.batch.step}", launched.started, launched.finished,
+                             tokens=flight.batch.num_tokens)
+
+    def step_failed(self, flight: InFlight, exc: Exception, behind: InFlight | None) -> list[Request]:
+        """Fail the requests of the step at fault; void what was planned on work that never ran."""
+        deferred = isinstance(exc, DeferredWorkFailed)          # the previous step's deferred part failed
+        culprit = self.last_awaited if deferred else flight
+        self.last_awaited = flight
+        if flight.void and not deferred:
+            log.warning("voided step %d failed too: %r", flight.batch.step, exc)   # no one is waiting for it
+            return []
+        self.failed_steps += 1
+        self.consecutive_failures += 1
+        log.error("step %d failed: %r", culprit.batch.step if culprit else flight.batch.step, exc, exc_info=exc)
+        news = []
+        if culprit is not None and not culprit.void:
+            message = f"step {culprit.batch.step} failed: {exc}"
+            news = [seq.req for seq in culprit.batch.seqs if not seq.req.finished]
+            for req in news:
+                self.scheduler.fail(req, message)
+        if deferred and not flight.void:        # its work never ran, and the batch behind was planned on it
+            for voided in (flight, behind):
+                if voided is not None and not voided.void:
+                    voided.void = True
+                    self.scheduler.void(voided.batch)
+        if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:     # raised by the next step(), after this news
+            self.broken = EngineBroken(f"{self.consecutive_failures} steps in a row failed; the last: {exc!r}")
+        return list({id(req): req for req in news}.values())
