@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from devices.base import DeferredWorkFailed, Launched
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+from engine.step import StepResult
 from engine.trace import OverlapMeter, Tracer
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class EngineCore:
             return []
         start = time.perf_counter()
         try:
-            output = self.runner.output(result)
+            output = result.output()
             news = self.scheduler.process(flight.batch, output)
         except Exception as exc:       # noqa: BLE001 - a bug on the CPU side: the batch fails alone
             return self.step_failed(flight, exc, behind)
@@ -153,18 +154,15 @@ class EngineCore:
         deferred = isinstance(exc, DeferredWorkFailed)          # the previous step's deferred part failed
         culprit = self.last_awaited if deferred else flight
         self.last_awaited = flight
-        if flight.void and not deferred:
-            log.warning("voided step %d failed too: %r", flight.batch.step, exc)   # no one is waiting for it
+        news = [] if culprit is None or culprit.void else [seq.req for seq in culprit.batch.seqs if not seq.req.finished]
+        if not news and not deferred:       # planned on a failed step, or voided: no one is waiting for it
+            log.warning("step %d failed too, with no request left in it: %r", flight.batch.step, exc)
             return []
         self.failed_steps += 1
         self.consecutive_failures += 1
         log.error("step %d failed: %r", culprit.batch.step if culprit else flight.batch.step, exc, exc_info=exc)
-        news = []
-        if culprit is not None and not culprit.void:
-            message = f"step {culprit.batch.step} failed: {exc}"
-            news = [seq.req for seq in culprit.batch.seqs if not seq.req.finished]
-            for req in news:
-                self.scheduler.fail(req, message)
+        for req in news:
+            self.scheduler.fail(req, f"step {culprit.batch.step} failed: {exc}")
         if deferred and not flight.void:        # its work never ran, and the batch behind was planned on it
             for voided in (flight, behind):
                 if voided is not None and not voided.void:

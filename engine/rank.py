@@ -22,7 +22,9 @@ from engine.messages import (AbortRequest, AddRequest, RankStats, RequestFailed,
                              TokenDelta)
 from engine.model_runner import ModelRunner
 from engine.request import Request
+from engine.policy import DecodePolicy, PlainDecoding
 from engine.scheduler import Scheduler, SchedulerConfig
+from spec.policy import SpeculativeDecoding
 from engine.trace import Tracer
 from engine.wire import Channel
 
@@ -35,18 +37,23 @@ def scheduler_config(args: ServerArgs, runner: ModelRunner, future_slots: int) -
     return SchedulerConfig(
         max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
         max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-        context_length=runner.context_length, future_slots=future_slots,
-        spec_tokens=runner.spec_tokens, spec_off_batch_size=args.spec_off_batch_size,
-        draft_skips_prefill=runner.draft_skips_prefill)
+        context_length=runner.context_length, future_slots=future_slots)
+
+
+def decode_policy(args: ServerArgs, runner: ModelRunner) -> DecodePolicy:
+    """The CPU side of how the runner decodes: plainly, or with its speculative worker."""
+    if runner.worker is None:
+        return PlainDecoding()
+    return SpeculativeDecoding(runner.spec_tokens, args.spec_off_batch_size, runner.worker.catches_up)
 
 
 def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None) -> EngineCore:
-    """The model runner, KV pool and scheduler of one rank, wired as the rank runs them."""
+    """The model runner, KV pool, decode policy and scheduler of one rank, wired as the rank runs them."""
     future_slots = 2 * args.max_running_requests + 2        # two batches of outputs in flight
     runner = ModelRunner(args, device, future_slots)
     device.order_after_setup()
     pool = KVPool(runner.num_slots, args.page_size, runner.num_rows)
-    scheduler = Scheduler(scheduler_config(args, runner, future_slots), pool, eos_ids)
+    scheduler = Scheduler(scheduler_config(args, runner, future_slots), pool, eos_ids, decode_policy(args, runner))
     return EngineCore(scheduler, runner, args.enable_overlap, tracer)
 
 
@@ -74,6 +81,9 @@ class Rank:
             while not self.stopping:
                 self.take_inbox()
                 self.send_news(await self.core.step())
+                if self.core.broken:
+                    await self.channel.writer.drain()       # the failed requests hear of it first
+                    raise self.core.broken
                 self.report()
                 if not self.core.busy:
                     await self.idle()
@@ -163,7 +173,7 @@ class Rank:
             rid=req.rid, token_ids=new, logprobs=logprobs, top_logprobs=top,
             finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
-            spec_verify_ct=req.spec_verify_ct))
+            spec_verify_ct=self.scheduler.policy.verify_steps(req)))
         req.sent = len(req.output_ids)
 
     def report(self) -> None:
@@ -181,9 +191,9 @@ class Rank:
         self.last_stats = now
 
     def spec_log_text(self) -> str:
-        if not self.runner.spec:
+        if not self.runner.worker:
             return ""
-        off = self.scheduler.spec_off_steps
+        off = self.scheduler.policy.off_steps
         return f", accept length {self.accept_length():.2f}" + (f", speculation off for {off} steps (load)" if off else "")
 
     def accept_length(self) -> float:
@@ -196,7 +206,7 @@ class Rank:
                          hidden_cpu_fraction=self.core.meter.hidden_fraction, retractions=self.scheduler.retractions,
                          spec_accept_len=self.accept_length(), spec_accept_hist=list(self.accept_hist),
                          spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist),
-                         spec_off_steps=self.scheduler.spec_off_steps, failed_steps=self.core.failed_steps,
+                         spec_off_steps=self.scheduler.policy.off_steps, failed_steps=self.core.failed_steps,
                          resident_memory_bytes=resident_memory_bytes())
 
 

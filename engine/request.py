@@ -10,11 +10,13 @@ Tokens: `all_ids = input_ids + output_ids` are known on the CPU. With overlap, u
 one more output per in-flight batch is still on the device: `pending` counts them and
 `future_id` names the future-map slot of the newest. The token at position
 len(all_ids) is that future.
+
+How a request decodes (plainly, or speculatively) is the decode policy's business: its
+bookkeeping of the request lives in `decode`, a record the policy made (engine/policy.py).
 """
 from __future__ import annotations
 
 import enum
-import time
 
 from engine.messages import SamplingParams
 
@@ -26,7 +28,8 @@ class Status(enum.Enum):
 
 
 class Request:
-    def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, eos_ids: frozenset[int]):
+    def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, eos_ids: frozenset[int],
+                 decode: object = None):
         self.rid = rid
         self.input_ids = input_ids
         self.params = params
@@ -39,20 +42,14 @@ class Request:
         self.pages: list[int] = []
         self.kv_len = 0
         self.prefilled = False        # its last prompt chunk has been launched
-        self.spec_verify_ct = 0       # speculative verify steps that produced output for it
-        self.spec_steps_launched = 0
-        self.draft_lag = 0            # positions its draft model has to catch up on (see the scheduler)
-        self.draft_end = 0            # positions its draft model has read (prefill; plain decodes under load)
-        self.drafting = 0             # speculative steps with drafts in flight (its kv_len is a bound while > 0)
-        self.plain = False            # its last step was a plain decode under load (Scheduler.feed_plain)
         self.pending = 0
         self.future_id = 0
+        self.decode = decode          # the decode policy's record of this request
         self.finish_reason: str | None = None    # "stop" | "length" | "abort" | "error"
         self.error = ""                         # why, when finish_reason is "error"
         self.matched_stop: int | None = None
         self.sent = 0                 # outputs already sent to the front
         self.retractions = 0
-        self.arrival = time.perf_counter()
 
     @property
     def all_ids(self) -> list[int]:

@@ -5,13 +5,20 @@
 Generation handlers run under `generation_endpoint`, which races them against a
 client disconnect (cancelling them aborts their engine requests) and records
 each request's outcome in the metrics exactly once.
+
+Nothing a client sends may stall the event loop or hold a handler forever: bodies are
+capped (--max-request-bytes, 413) and read under a timeout (408), texts too long for
+the context are refused before tokenizing, tokenizing runs in a thread pool, SSE writes
+time out, and TCP keep-alive probes notice dead peers within minutes.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -23,6 +30,7 @@ from server.errors import APIError, error_middleware
 from server.generate_api import generate
 from server.metrics import Metrics
 from server.openai_api import chat_completions, completions
+from server.schemas import max_token_chars
 from server.streaming import CONTEXT, ClientGone, FrontContext, json_response, outcome_of, race_disconnect
 
 if TYPE_CHECKING:
@@ -31,18 +39,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.http")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-MAX_BODY_BYTES = 64 * 1024 * 1024
 CLIENT_CLOSED_STATUS = 499
+TOKENIZE_THREADS = 4         # a few long prompts side by side; more would only crowd the loop off the cores
+# Linux's default keep-alive notices a dead peer after 2 h 11 min; these make it about 4 minutes.
+KEEPALIVE_OPTIONS = (("TCP_KEEPIDLE", 120), ("TCP_KEEPINTVL", 30), ("TCP_KEEPCNT", 4))
 
 
 def create_app(args: ServerArgs, engine: EngineClient, tokenizer: PreTrainedTokenizerBase,
                context_length: int) -> web.Application:
     """The HTTP front of `engine`; `context_length` bounds prompt + output tokens."""
-    app = web.Application(middlewares=[error_middleware, api_key_middleware(args.api_key)],
-                          client_max_size=MAX_BODY_BYTES)
+    middlewares = [keepalive_middleware, close_after_timeout_middleware, error_middleware,
+                   api_key_middleware(args.api_key)]
+    app = web.Application(middlewares=middlewares, client_max_size=args.max_request_bytes)
     app[CONTEXT] = FrontContext(args=args, engine=engine, tokenizer=tokenizer, context_length=context_length,
                                 metrics=Metrics(engine), model_name=args.model_name, vocab_size=len(tokenizer),
-                                token_texts=TokenTexts(tokenizer))
+                                token_texts=TokenTexts(tokenizer), max_token_chars=max_token_chars(tokenizer),
+                                tokenize_pool=tokenize_pool(tokenizer))
+    app.on_cleanup.append(stop_tokenize_pool)
     app.router.add_post("/v1/completions", generation_endpoint(completions))
     app.router.add_post("/v1/chat/completions", generation_endpoint(chat_completions))
     app.router.add_post("/generate", generation_endpoint(generate))
@@ -50,6 +63,39 @@ def create_app(args: ServerArgs, engine: EngineClient, tokenizer: PreTrainedToke
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def tokenize_pool(tokenizer) -> ThreadPoolExecutor:
+    """Threads for tokenizing; the tokenizer is used once here first, because a fast tokenizer's
+    first call may reset its truncation settings, which fails if another thread is encoding."""
+    tokenizer.encode("warm-up")
+    return ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tandem-tokenize")
+
+
+async def stop_tokenize_pool(app: web.Application) -> None:
+    app[CONTEXT].tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+
+@web.middleware
+async def keepalive_middleware(request: web.Request, handler):
+    """Probe the peer of every TCP connection every few minutes (aiohttp turns SO_KEEPALIVE on,
+    the kernel's timings are hours), so a dead client's request is aborted and its KV freed."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        for name, value in KEEPALIVE_OPTIONS:
+            if hasattr(socket, name):       # Linux; other systems keep their defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    return await handler(request)
+
+
+@web.middleware
+async def close_after_timeout_middleware(request: web.Request, handler):
+    """A 408 closes its connection: the client that stalled is not sent another response on it."""
+    response = await handler(request)
+    if response.status == 408:
+        response.force_close()
+    return response
 
 
 def api_key_middleware(api_key: str | None):

@@ -14,14 +14,14 @@ from aiohttp import web
 
 from server.errors import bad_request
 from server.metrics import RequestTracker
-from server.schemas import (MAX_LOGPROBS, GenerateRequest, build_specs, check_range, check_sampling,
-                            check_token_ids, check_unsupported, decode_body)
+from server.schemas import (MAX_LOGPROBS, GenerateRequest, build_specs, check_prompt_chars, check_prompt_ids,
+                            check_range, check_sampling, check_unsupported, read_request)
 from server.streaming import CONTEXT, json_response, ChoiceResult, FrontContext, SequenceSpec, collect, serve_sse
 
 DEFAULT_MAX_NEW_TOKENS = 128     # SGLang's default; capped by what the context has left
 
 
-def prompt_ids(ctx: FrontContext, req: GenerateRequest) -> list[int]:
+async def prompt_ids(ctx: FrontContext, req: GenerateRequest) -> list[int]:
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("Give exactly one of `text` and `input_ids`.", param="text", code="invalid_value")
     if isinstance(req.text, list):
@@ -30,22 +30,23 @@ def prompt_ids(ctx: FrontContext, req: GenerateRequest) -> list[int]:
     if req.text is not None:
         if not req.text:
             raise bad_request("`text` must not be empty.", param="text", code="invalid_value")
-        return ctx.tokenizer.encode(req.text)
+        check_prompt_chars(ctx, len(req.text), "text")
+        return await ctx.off_loop(ctx.tokenizer.encode, req.text)
     if req.input_ids and all(isinstance(x, list) for x in req.input_ids):
         raise bad_request("Batched `input_ids` (a list of lists) is not supported; send one request per prompt.",
                           param="input_ids", code="unsupported_parameter")
     if not req.input_ids:
         raise bad_request("`input_ids` must not be empty.", param="input_ids", code="invalid_value")
-    return check_token_ids(req.input_ids, ctx.vocab_size, "input_ids")
+    return check_prompt_ids(ctx, req.input_ids, "input_ids")
 
 
-def plan_generate(ctx: FrontContext, req: GenerateRequest) -> list[SequenceSpec]:
+async def plan_generate(ctx: FrontContext, req: GenerateRequest) -> list[SequenceSpec]:
     sp, prefix = req.sampling_params, "sampling_params."
     check_unsupported(req)
     check_unsupported(sp, prefix)
     check_sampling(sp, ctx.vocab_size, prefix)
     check_range(0 <= req.top_logprobs_num <= MAX_LOGPROBS, "top_logprobs_num", f"between 0 and {MAX_LOGPROBS}")
-    ids = prompt_ids(ctx, req)
+    ids = await prompt_ids(ctx, req)
     logprobs = req.top_logprobs_num if req.return_logprob else None
     return build_specs(uuid.uuid4().hex, [ids], sp, sp.max_new_tokens, prefix + "max_new_tokens",
                        ctx.context_length, logprobs, DEFAULT_MAX_NEW_TOKENS)
@@ -93,8 +94,8 @@ async def stream_events(ctx: FrontContext, req: GenerateRequest, specs: list[Seq
 
 async def generate(request: web.Request, tracker: RequestTracker) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
-    req = decode_body(await request.read(), GenerateRequest)
-    specs = plan_generate(ctx, req)
+    req = await read_request(request, GenerateRequest)
+    specs = await plan_generate(ctx, req)
     if req.stream:
         return await serve_sse(request, stream_events(ctx, req, specs, tracker.start), tracker)
     results = await collect(ctx.run(specs, tracker.start), len(specs))

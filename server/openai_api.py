@@ -15,8 +15,8 @@ from server.errors import bad_request
 from server.metrics import RequestTracker
 from server.openai_format import ChatFormat, CompletionFormat, OpenAIFormat
 from server.schemas import (MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest, build_specs,
-                            check_model, check_range, check_sampling, check_token_ids, check_unsupported,
-                            decode_body)
+                            check_model, check_prompt_chars, check_prompt_ids, check_range, check_sampling,
+                            check_unsupported, read_request)
 from server.streaming import CONTEXT, json_response, FrontContext, SequenceSpec, collect, serve_sse
 
 MAX_PROMPTS = 64
@@ -30,8 +30,8 @@ class Plan:
     include_usage: bool
 
 
-def completion_prompts(prompt: str | list, ctx: FrontContext) -> list[list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+def completion_items(prompt: str | list) -> list[str | list]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists: one item per prompt."""
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and all(type(x) is int for x in prompt):
@@ -44,17 +44,25 @@ def completion_prompts(prompt: str | list, ctx: FrontContext) -> list[list[int]]
         raise bad_request("`prompt` must be a string, a list of strings, a list of token ids, or a list of "
                           "token-id lists.", param="prompt", code="invalid_type")
     check_range(len(items) <= MAX_PROMPTS, "prompt", f"at most {MAX_PROMPTS} prompts")
-    out = []
-    for i, item in enumerate(items):
-        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+    return items
+
+
+async def completion_prompts(prompt: str | list, ctx: FrontContext) -> list[list[int]]:
+    """Every prompt checked for size first, then the texts tokenized off the event loop."""
+    items = completion_items(prompt)
+    params = ["prompt" if len(items) == 1 else f"prompt[{i}]" for i in range(len(items))]
+    for item, param in zip(items, params):
         if not item:
             raise bad_request(f"`{param}` must not be empty.", param=param, code="invalid_value")
-        out.append(ctx.tokenizer.encode(item) if isinstance(item, str)
-                   else check_token_ids(item, ctx.vocab_size, param))
-    return out
+        if isinstance(item, str):
+            check_prompt_chars(ctx, len(item), param)
+        else:
+            check_prompt_ids(ctx, item, param)
+    return [await ctx.off_loop(ctx.tokenizer.encode, item) if isinstance(item, str) else item
+            for item in items]
 
 
-def plan_completion(ctx: FrontContext, req: CompletionRequest) -> Plan:
+async def plan_completion(ctx: FrontContext, req: CompletionRequest) -> Plan:
     check_model(req.model, ctx.model_name)
     check_unsupported(req)
     check_sampling(req, ctx.vocab_size)
@@ -63,7 +71,7 @@ def plan_completion(ctx: FrontContext, req: CompletionRequest) -> Plan:
         if req.echo:
             raise bad_request("`echo` with `logprobs` is not supported (no prompt logprobs).", param="echo",
                               code="unsupported_parameter")
-    prompts = completion_prompts(req.prompt, ctx)
+    prompts = await completion_prompts(req.prompt, ctx)
     rid = f"cmpl-{uuid.uuid4().hex}"
     specs = build_specs(rid, prompts, req, req.max_tokens, "max_tokens", ctx.context_length, req.logprobs)
     echo = [ctx.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if req.echo else None
@@ -78,20 +86,27 @@ def message_text(message: ChatMessage) -> str:
     return "\n".join(part.text for part in message.content)
 
 
-def chat_prompt(ctx: FrontContext, messages: list[ChatMessage]) -> list[int]:
+def render_chat(tokenizer, conversation: list[dict]) -> list[int]:
+    """The chat template's text, tokenized (runs in the tokenize pool)."""
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:     # noqa: BLE001 - a template refusing the conversation is the user's input
+        raise bad_request(f"The messages do not fit the model's chat template: {exc}", param="messages",
+                          code="invalid_value") from None
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+async def chat_prompt(ctx: FrontContext, messages: list[ChatMessage]) -> list[int]:
     if not messages:
         raise bad_request("`messages` must not be empty.", param="messages", code="invalid_value")
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
                     for m in messages]
-    try:
-        text = ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:     # noqa: BLE001 - a template refusing the conversation is the user's input
-        raise bad_request(f"The messages do not fit the model's chat template: {exc}", param="messages",
-                          code="invalid_value") from None
-    return ctx.tokenizer(text, add_special_tokens=False).input_ids
+    # The template only adds text, so the contents alone already bound the prompt's size.
+    check_prompt_chars(ctx, sum(len(m["content"]) for m in conversation), "messages")
+    return await ctx.off_loop(render_chat, ctx.tokenizer, conversation)
 
 
-def plan_chat(ctx: FrontContext, req: ChatCompletionRequest) -> Plan:
+async def plan_chat(ctx: FrontContext, req: ChatCompletionRequest) -> Plan:
     check_model(req.model, ctx.model_name)
     check_unsupported(req)
     check_sampling(req, ctx.vocab_size)
@@ -102,7 +117,7 @@ def plan_chat(ctx: FrontContext, req: ChatCompletionRequest) -> Plan:
                               code="invalid_value")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    prompt = chat_prompt(ctx, req.messages)
+    prompt = await chat_prompt(ctx, req.messages)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     specs = build_specs(rid, [prompt], req, limit, param, ctx.context_length, logprobs)
@@ -131,12 +146,12 @@ async def run_plan(request: web.Request, tracker: RequestTracker, plan: Plan) ->
 
 async def completions(request: web.Request, tracker: RequestTracker) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
-    req = decode_body(await request.read(), CompletionRequest)
-    return await run_plan(request, tracker, plan_completion(ctx, req))
+    req = await read_request(request, CompletionRequest)
+    return await run_plan(request, tracker, await plan_completion(ctx, req))
 
 
 async def chat_completions(request: web.Request, tracker: RequestTracker) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
-    req = decode_body(await request.read(), ChatCompletionRequest)
-    return await run_plan(request, tracker, plan_chat(ctx, req))
+    req = await read_request(request, ChatCompletionRequest)
+    return await run_plan(request, tracker, await plan_chat(ctx, req))
 

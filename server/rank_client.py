@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0
 RESTART_WINDOW_S = 600.0
 WATCH_INTERVAL_S = 0.2
+EXIT_GRACE_S = 2.0
 
 
 class RankLink:
@@ -244,8 +245,6 @@ class RankEngineClient(EngineClient):
         link.alive, link.stats = False, None
         if self.closing:
             return
-        if link.process.is_alive():
-            link.process.kill()                  # its connection broke: the process is no use any more
         link.channel.close()
         log.error("rank %d died (%s); failing its %d requests", link.rank, why, link.load)
         for rid, owner in list(self.owner.items()):
@@ -258,7 +257,10 @@ class RankEngineClient(EngineClient):
     async def restart(self, link: RankLink) -> None:
         for task in link.tasks:
             task.cancel()
-        await asyncio.to_thread(link.process.join, 5)
+        await asyncio.to_thread(link.process.join, EXIT_GRACE_S)      # it may be ending itself
+        if link.process.is_alive():
+            link.process.kill()                  # its connection broke: the process is no use any more
+            await asyncio.to_thread(link.process.join, EXIT_GRACE_S)
         log.error("rank %d process %d ended: %s", link.rank, link.process.pid, describe_exit(link.process.exitcode))
         while True:
             now = time.monotonic()

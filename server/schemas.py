@@ -6,18 +6,23 @@ ranges and the parameters this engine does not implement. Every failure is an
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 import msgspec
+from aiohttp import web
 
 from engine.messages import SamplingParams
 from server.errors import APIError, bad_request, from_validation_error
-from server.streaming import SequenceSpec
+from server.streaming import FrontContext, SequenceSpec
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256        # each stop string is searched for at every output token
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+# A client that sends its headers and then stalls must not hold a handler (and its connection) forever.
+BODY_READ_TIMEOUT_S = 60.0
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -115,6 +120,20 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
+async def read_request(request: web.Request, kind: type) -> Any:
+    """Read the body within BODY_READ_TIMEOUT_S and under the size limit, then parse it as `kind`."""
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            body = await request.read()
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {BODY_READ_TIMEOUT_S:g} seconds.",
+                       code="request_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"The request body is larger than this server's limit of {request.client_max_size} "
+                       "bytes (--max-request-bytes).", code="request_too_large") from None
+    return decode_body(body, kind)
+
+
 def decode_body(body: bytes, kind: type) -> Any:
     """Parse and type-check a JSON body."""
     if not body.strip():
@@ -170,7 +189,38 @@ def stop_strings(stop: str | list[str] | None, param: str = "stop") -> list[str]
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     check_range(len(stops) <= MAX_STOP_STRINGS, param, f"at most {MAX_STOP_STRINGS} strings")
     check_range(all(stops), param, "non-empty strings")
+    check_range(all(len(s) <= MAX_STOP_CHARS for s in stops), param,
+                f"strings of at most {MAX_STOP_CHARS} characters")
     return stops
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters a single token of the vocabulary stands for.
+
+    A vocabulary piece is never shorter than the text it covers (byte-level BPE spells one
+    character per byte, sentencepiece one per character and six for a byte-fallback `<0x0A>`),
+    and every piece's own decoding is counted too, for vocabularies spelled some other way.
+    Added tokens (`<|im_start|>`) are matched in plain text, so they count as well."""
+    longest_piece = max(map(len, tokenizer.get_vocab()), default=1)
+    decoded = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+    return max(longest_piece, max(map(len, decoded), default=1), 1)
+
+
+def check_prompt_chars(ctx: FrontContext, chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text that makes more tokens than the context holds
+    whatever it says: every token covers at most `max_token_chars` of its characters."""
+    if chars > ctx.max_prompt_chars:
+        raise bad_request(f"`{param}` has {chars} characters; this model's context of {ctx.context_length} tokens "
+                          f"holds at most {ctx.max_prompt_chars} characters of text.", param=param,
+                          code="context_length_exceeded")
+
+
+def check_prompt_ids(ctx: FrontContext, ids: list, param: str) -> list[int]:
+    """Token ids of a prompt: counted against the context before each id is checked."""
+    if len(ids) >= ctx.context_length:
+        raise bad_request(f"`{param}` has {len(ids)} tokens, which leaves no room in the context of "
+                          f"{ctx.context_length} tokens.", param=param, code="context_length_exceeded")
+    return check_token_ids(ids, ctx.vocab_size, param)
 
 
 def max_new_tokens(requested: int | None, prompt_len: int, context_length: int, param: str,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import msgspec
 from aiohttp import web
@@ -21,11 +22,14 @@ from aiohttp import web
 from engine.args import ServerArgs
 from engine.messages import SamplingParams, TokenDelta
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
-from server.engine_client import EngineClient, EngineDead, EngineRejected
+from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
 from server.errors import APIError, from_engine_error
 from server.metrics import Metrics, RequestTracker
 
 DISCONNECT_POLL_S = 0.5     # how often a request checks its connection (cheap even with 1000s in flight)
+# A client that stops reading (socket buffers full, no FIN) never closes its transport, so the
+# disconnect poll cannot see it; an SSE write that waits this long counts as a disconnect instead.
+SSE_WRITE_TIMEOUT_S = 30.0
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _json = msgspec.json.Encoder()
 log = logging.getLogger("tandem.http")
@@ -51,6 +55,18 @@ class FrontContext:
     model_name: str
     vocab_size: int
     token_texts: TokenTexts
+    max_token_chars: int                    # the most characters a single token stands for
+    tokenize_pool: ThreadPoolExecutor
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this can fit the context, whatever its tokens."""
+        return self.context_length * self.max_token_chars
+
+    async def off_loop(self, fn, *args):
+        """Run tokenizer work (encoding, chat templates) in the front's pool, so that a long text
+        never stalls the event loop: the fast tokenizer releases the GIL while it encodes."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     def run(self, specs: list["SequenceSpec"], arrival: float) -> AsyncIterator["SeqUpdate"]:
         """Start the engine requests of `specs`; their updates, interleaved."""
@@ -261,36 +277,53 @@ def stream_error(request: web.Request, exc: Exception) -> APIError:
     """The error event for a failure after the SSE headers went out; unexpected ones are logged."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, (EngineRejected, EngineDead)):
+    if isinstance(exc, (EngineRejected, EngineDead, EngineFailed)):
         return from_engine_error(exc)
     log.error("unhandled error while streaming %s", request.path, exc_info=exc)
     return APIError(500, "Internal server error.", code="internal_error")
+
+
+async def write_or_gone(request: web.Request, write: Awaitable) -> None:
+    """Await a write to the client; a lost connection, or a write stuck for SSE_WRITE_TIMEOUT_S
+    (a client that stopped reading), raises ClientGone."""
+    try:
+        async with asyncio.timeout(SSE_WRITE_TIMEOUT_S):
+            await write
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()       # drop what it never read, and the connection with it
+        raise ClientGone() from None
+    except ConnectionError:     # a reset, or a plain ConnectionError when lost while waiting to drain
+        raise ClientGone() from None
+
+
+def sse_event(body: Any) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
 
 
 async def serve_sse(request: web.Request, events: AsyncIterator[dict], tracker: RequestTracker) -> web.StreamResponse:
     """Send events as `data: {json}\\n\\n`, then `data: [DONE]\\n\\n`.
 
     The first event is awaited before the headers go out, so an error up to then gets its
-    own HTTP status; a later engine error is sent as an `{"error": ...}` event."""
+    own HTTP status; a later engine error is sent as an `{"error": ...}` event. A client that
+    is gone or stopped reading raises ClientGone, and leaving closes `events`, which aborts
+    the engine requests."""
     async with aclosing(events):
         first = await anext(events, None)
         response = web.StreamResponse(headers=SSE_HEADERS)
+        await write_or_gone(request, response.prepare(request))
+        if first is not None:
+            await write_or_gone(request, response.write(sse_event(first)))
         try:
-            await response.prepare(request)
-            if first is not None:
-                await response.write(b"data: " + _json.encode(first) + b"\n\n")
-            try:
-                async for event in events:
-                    await response.write(b"data: " + _json.encode(event) + b"\n\n")
-            except ConnectionResetError:
-                raise
-            except Exception as exc:    # noqa: BLE001 - the headers are out: report it in the stream
-                tracker.finish(outcome_of(exc))
-                await response.write(b"data: " + _json.encode(stream_error(request, exc).body()) + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionResetError:
-            raise ClientGone() from None
+            async for event in events:
+                await write_or_gone(request, response.write(sse_event(event)))
+        except ClientGone:
+            raise
+        except Exception as exc:    # noqa: BLE001 - the headers are out: report it in the stream
+            tracker.finish(outcome_of(exc))
+            await write_or_gone(request, response.write(sse_event(stream_error(request, exc).body())))
+        await write_or_gone(request, response.write(b"data: [DONE]\n\n"))
+        await write_or_gone(request, response.write_eof())
     return response
 
 

@@ -1,6 +1,6 @@
 """EAGLE / EAGLE-3 chain drafting, on the stream (fixed shapes where the device needs them).
 
-A step for B decoding requests (k = inp.chain: num_steps, or 0 for a plain step under load;
+A step for B decoding requests (k = inp.spec.chain: num_steps, or 0 for a plain step under load;
 L = kv_len[row]; b = bonus[row]):
 
   draft    d_1 comes from the previous extend; for i = 2..k the head reads (d_{i-1}, g)
@@ -18,6 +18,10 @@ L = kv_len[row]; b = bonus[row]):
 
 Draft position t reads token t+1 and the target's feature at t, so after a prefill of
 P tokens the extend reads prompt[1:] + [sampled token].
+
+Per-row head state, besides kv_len and bonus: draft_hidden (g) and draft_first (d_1) with its
+confidence and, for sampling rows, its distribution q. With the head's KV of the positions before
+kv_len, that is what a request takes along to continue elsewhere (export_row / import_row).
 """
 from __future__ import annotations
 
@@ -28,27 +32,30 @@ import torch
 from engine.models.attention import chain_step_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import SpecWorker, top_choice
+from spec.base import SpecWorker, Verified
+from spec.chains import Chain, stack_chain, top_choice
+
+ROW_STATE = ("draft_first", "draft_hidden", "first_confidence", "first_probs")
 
 
 class EagleWorker(SpecWorker):
-    def __init__(self, runner):
-        super().__init__(runner)
-        dev = runner.device.torch_device
-        args = runner.args
-        self.head, _ = load_draft(args.draft_model_path, runner.model, runner.dtype, dev, token_map=args.token_map_path)
+    def __init__(self, args, target):
+        super().__init__(args, target)
+        dev = target.torch_device
+        self.head, _ = load_draft(args.draft_model_path, target.model, target.dtype, dev,
+                                  token_map=args.token_map_path)
         self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
-        rows, vocab = runner.num_rows, runner.vocab_size
+        rows, vocab = target.num_rows, target.vocab_size
         self.draft_first = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.draft_hidden = torch.zeros(rows, self.head.hidden_size, dtype=runner.dtype, device=dev)
+        self.draft_hidden = torch.zeros(rows, self.head.hidden_size, dtype=target.dtype, device=dev)
         self.first_probs = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
         self.first_confidence = torch.zeros(rows, dtype=torch.float32, device=dev)
         self.draft_ids = self.head.draft_to_target(torch.arange(self.head.compute_logits(
-            torch.zeros(1, self.head.hidden_size, dtype=runner.dtype, device=dev)).shape[-1], device=dev))
+            torch.zeros(1, self.head.hidden_size, dtype=target.dtype, device=dev)).shape[-1], device=dev))
 
     def describe(self) -> str:
         hot = self.head.hot_ids
-        return super().describe() + (f", token map of {hot.numel()} / {self.runner.vocab_size} tokens"
+        return super().describe() + (f", token map of {hot.numel()} / {self.target.vocab_size} tokens"
                                      if hot is not None else "")
 
     def draft_kv_layout(self) -> tuple[int, int, int]:
@@ -66,9 +73,9 @@ class EagleWorker(SpecWorker):
         if sb.all_greedy:
             return greedy, None, confidence
         q_draft = filtered_probs(logits, sb)
-        q = torch.zeros(q_draft.shape[0], self.runner.vocab_size, device=q_draft.device)
+        q = torch.zeros(q_draft.shape[0], self.target.vocab_size, device=q_draft.device)
         q[:, self.draft_ids] = q_draft
-        noise = seeded_noise(tuple(q.shape), sb, self.runner.generator, q.device, salt=salt)
+        noise = seeded_noise(tuple(q.shape), sb, self.target.generator, q.device, salt=salt)
         sampled = (q / noise).argmax(dim=-1)
         return torch.where(sb.greedy, greedy, sampled), q, confidence
 
@@ -81,30 +88,9 @@ class EagleWorker(SpecWorker):
         if q is not None:
             self.first_probs[rows] = q
 
-    # ---- prefill -------------------------------------------------------------------
-
-    def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
-        dev = sampled.device
-        last = torch.cumsum(inp.q_lens.to(dev), 0) - 1                         # last token of each seq
-        next_ids = torch.roll(input_ids, -1)
-        samples = (inp.draft_next < 0).to(dev)         # known on the host: the sampling seqs are the last chunks
-        after = inp.draft_next.to(dev, copy=True)       # copy: inp.draft_next itself stays the host's record
-        after[samples] = sampled
-        next_ids[last] = after
-        features = out.aux_hidden if self.needs_aux else out.hidden
-        g_all = self.head(next_ids, features, dataclasses.replace(attn, kv=self.draft_kv))
-        if sampled.numel() == 0:
-            return
-        rows = self.seed_sampled_rows(inp, sampled)
-        self.seed_rows(rows, g_all[last[samples]], inp.sampling, salt=1)
-
-    # ---- one speculative step ------------------------------------------------------
-
-    def decode_step(self, inp):
-        runner, k, sb = self.runner, inp.chain, inp.sampling
-        rows, L, marks = self.start_step(inp)
-        dev, batch = rows.device, rows.shape[0]
-        trim = self.chain_trim(k, sb, dev)
+    def draft(self, inp, rows: torch.Tensor, L: torch.Tensor) -> Chain:
+        k, sb = inp.spec.chain, inp.sampling
+        trim = self.chain_trim(inp, k, rows.device)
         if trim and not trim.keep(self.first_confidence[rows]):
             k = 0                                               # no row believes its first draft
         drafts = [self.draft_first[rows]][:k]
@@ -118,17 +104,39 @@ class EagleWorker(SpecWorker):
                 break                                           # no row verifies d_i: the chain ends
             drafts.append(token)
             qs.append(q)
-        drafts_t = torch.stack(drafts, dim=1) if drafts else rows.new_zeros(batch, 0)     # [B, w]
-        widths = trim.widths() if trim else None
-        self.mark("draft", marks)
-        v = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1), capture_aux=self.needs_aux,
-                        widths=widths)
-        self.mark("verify", marks)
-        # The head reads every verified token (a plain step, w == 0, still extends by one) and row
-        # b's output at its last accepted position seeds the next step.
+        return stack_chain(drafts, qs, rows, trim.widths() if trim else None)
+
+    def extend(self, inp, rows: torch.Tensor, L: torch.Tensor, v: Verified, marks: list) -> None:
+        """The head reads every verified token (a plain step, w == 0, still extends by one) and row
+        b's output at its last accepted position seeds the next step."""
         features = v.out.aux_hidden if self.needs_aux else v.out.hidden
         g_all = self.head(v.flat_emitted(), features, dataclasses.replace(v.attn, kv=self.draft_kv))
-        self.seed_rows(rows, g_all[v.flat_index(v.n)], sb, salt=30)
-        self.advance(rows, L, v)
+        self.seed_rows(rows, g_all[v.flat_index(v.n)], inp.sampling, salt=30)
         self.mark("extend", marks)
-        return runner.step_result(v.emitted, v.n, v.logits, sb, marks)
+
+    # ---- prefill -------------------------------------------------------------------
+
+    def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
+        dev = sampled.device
+        last = torch.cumsum(inp.q_lens.to(dev), 0) - 1                         # last token of each seq
+        next_ids = torch.roll(input_ids, -1)
+        samples = (inp.spec.draft_next < 0).to(dev)    # known on the host: the sampling seqs are the last chunks
+        after = inp.spec.draft_next.to(dev, copy=True)  # copy: draft_next itself stays the host's record
+        after[samples] = sampled
+        next_ids[last] = after
+        features = out.aux_hidden if self.needs_aux else out.hidden
+        g_all = self.head(next_ids, features, dataclasses.replace(attn, kv=self.draft_kv))
+        if sampled.numel() == 0:
+            return
+        rows = self.seed_sampled_rows(inp, sampled)
+        self.seed_rows(rows, g_all[last[samples]], inp.sampling, salt=1)
+
+    # ---- a request's state ------------------------------------------------------------
+
+    def export_row(self, row: int) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name)[row].to("cpu") for name in ROW_STATE}
+
+    def import_row(self, row: int, state, token_ids: list[int], kv_len: int) -> None:
+        super().import_row(row, state, token_ids, kv_len)
+        for name in ROW_STATE:
+            getattr(self, name)[row] = state[name].to(self.target.torch_device)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from spec.base import SpecWorker, TokenHistory
+from spec.base import SpecWorker, Verified
+from spec.chains import Chain, TokenHistory
 
 MATCH_LENGTHS = (3, 2, 1)      # suffix lengths tried, longest first
-# Drafts worth verifying after a match of one token: on the embedded model and the code workload,
-# 37% of steps match only one token and accept 1.05 of 7 drafts on average (4.6 after a 3-token match).
+# Drafts worth verifying after a match of one token: a one-token match rarely predicts more than the
+# next token or two (README "Performance": per-row chain trimming).
 SINGLE_TOKEN_MATCH_DRAFTS = 3
 
 
@@ -57,9 +58,9 @@ def ngram_drafts(history: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[to
 
 
 class NgramWorker(SpecWorker):
-    def __init__(self, runner):
-        super().__init__(runner)
-        self.history = TokenHistory(runner)
+    def __init__(self, args, target):
+        super().__init__(args, target)
+        self.history = TokenHistory(target)
 
     # ---- prefill -------------------------------------------------------------------
 
@@ -71,22 +72,24 @@ class NgramWorker(SpecWorker):
 
     # ---- one speculative step ------------------------------------------------------
 
-    def decode_step(self, inp):
-        runner, k, sb = self.runner, inp.chain, inp.sampling
-        rows, L, marks = self.start_step(inp)
-        dev, batch = rows.device, rows.shape[0]
+    def draft(self, inp, rows: torch.Tensor, L: torch.Tensor) -> Chain:
+        k, batch, dev = inp.spec.chain, rows.shape[0], rows.device
         tokens = self.history.tokens
         width = min(inp.max_kv, tokens.shape[1])           # max_kv >= L+k+1 > every valid position
         drafts, worth = ngram_drafts(tokens[rows, :width], L + 1, k)               # [B, k], [B]
         widths = None
-        if k and self.trims:                                                        # trim
-            widths = torch.where(sb.greedy.to(dev), worth, k)
+        if k and self.trims and inp.spec.trim:                                      # trim
+            widths = torch.where(inp.sampling.greedy.to(dev), worth, k)
             drafts = drafts[:, :int(widths.max())]
-        self.mark("draft", marks)
-        vocab = self.runner.vocab_size
+        vocab = self.target.vocab_size
         one_hot = lambda: torch.zeros(batch, drafts.shape[1], vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)  # noqa: E731
-        v = self.verify(inp, rows, L, drafts, one_hot, widths=widths)
+        return Chain(drafts, one_hot, widths)
+
+    def extend(self, inp, rows: torch.Tensor, L: torch.Tensor, v: Verified, marks: list) -> None:
         self.history.write_step(rows, L, v.emitted)
-        self.advance(rows, L, v)
-        self.mark("verify", marks)
-        return runner.step_result(v.emitted, v.n, v.logits, sb, marks)
+
+    # ---- a request's state ------------------------------------------------------------
+
+    def import_row(self, row: int, state, token_ids: list[int], kv_len: int) -> None:
+        super().import_row(row, state, token_ids, kv_len)
+        self.history.write_known(row, token_ids)

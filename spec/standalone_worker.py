@@ -34,43 +34,43 @@ import torch
 from engine.models.attention import build_attention_batch, chain_step_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import SpecWorker, TokenHistory, top_choice
+from spec.base import SpecWorker, Verified
+from spec.chains import Chain, TokenHistory, stack_chain, top_choice
 
 
 class StandaloneWorker(SpecWorker):
     catches_up = True          # draft_lag: plain steps and skipped prompt chunks
 
-    def __init__(self, runner):
-        super().__init__(runner)
-        dev = runner.device.torch_device
-        path = runner.args.draft_model_path
-        self.draft, config = load_model(path, runner.dtype, dev)
-        if config.vocab_size != runner.vocab_size:
+    def __init__(self, args, target):
+        super().__init__(args, target)
+        path = args.draft_model_path
+        self.draft_model, config = load_model(path, target.dtype, target.torch_device)
+        if config.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {path} has vocab_size {config.vocab_size}, the target "
-                             f"{runner.args.model_path} has {runner.vocab_size}: a standalone draft must "
+                             f"{args.model_path} has {target.vocab_size}: a standalone draft must "
                              f"share the target's tokenizer")
-        self.history = TokenHistory(runner)
+        self.history = TokenHistory(target)
 
     def draft_kv_layout(self) -> tuple[int, int, int]:
-        return self.draft.kv_layout()
+        return self.draft_model.kv_layout()
 
     def propose(self, hidden: torch.Tensor, sb: SamplingBatch,
                 salt: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Draft output rows -> draft tokens, q (the draft's filtered distribution) when any row
         samples, and the draft's top-1 probability of each row where chains are trimmed."""
-        logits = self.draft.compute_logits(hidden)
+        logits = self.draft_model.compute_logits(hidden)
         greedy, confidence = top_choice(logits, self.trims)
         if sb.all_greedy:
             return greedy, None, confidence
         q = filtered_probs(logits, sb)
-        noise = seeded_noise(tuple(q.shape), sb, self.runner.generator, q.device, salt=salt)
+        noise = seeded_noise(tuple(q.shape), sb, self.target.generator, q.device, salt=salt)
         return torch.where(sb.greedy, greedy, (q / noise).argmax(dim=-1)), q, confidence
 
     # ---- prefill -------------------------------------------------------------------
 
     def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
-        if not inp.draft_skip:                                 # under load: caught up when drafting resumes
-            self.draft(input_ids, dataclasses.replace(attn, kv=self.draft_kv))
+        if not inp.spec.draft_skip:                            # under load: caught up when drafting resumes
+            self.draft_model(input_ids, dataclasses.replace(attn, kv=self.draft_kv))
         self.history.write_prefill(inp, input_ids, attn.positions, sampled)
         if sampled.numel() == 0:
             return
@@ -80,39 +80,39 @@ class StandaloneWorker(SpecWorker):
 
     def catch_up(self, inp, rows: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
         """Draft forward over positions L-1-lag .. L of every row; the draft's output at L [B, H]."""
-        runner, dev = self.runner, rows.device
-        q_lens = inp.draft_lag.to(dev) + 2
-        max_q = int(inp.draft_lag.max()) + 2 if inp.draft_lag.numel() else 2      # host tensor: no sync
-        attn = build_attention_batch(q_lens, L + 1, rows, runner.req_to_slot, max_q, inp.max_kv, self.draft_kv)
+        dev, lag = rows.device, inp.spec.draft_lag
+        q_lens = lag.to(dev) + 2
+        max_q = int(lag.max()) + 2 if lag.numel() else 2                          # host tensor: no sync
+        attn = build_attention_batch(q_lens, L + 1, rows, self.target.req_to_slot, max_q, inp.max_kv, self.draft_kv)
         token_rows = rows.repeat_interleave(q_lens, output_size=attn.positions.shape[0])
-        out = self.draft(self.history.tokens[token_rows, attn.positions], attn)
+        out = self.draft_model(self.history.tokens[token_rows, attn.positions], attn)
         return out.hidden[torch.cumsum(q_lens, 0) - 1]
 
-    def decode_step(self, inp):
-        runner, k, sb = self.runner, inp.chain, inp.sampling
-        rows, L, marks = self.start_step(inp)
-        dev, batch = rows.device, rows.shape[0]
+    def draft(self, inp, rows: torch.Tensor, L: torch.Tensor) -> Chain:
+        k, sb = inp.spec.chain, inp.sampling
         drafts, qs = [], []
-        trim = self.chain_trim(k, sb, dev)
+        trim = self.chain_trim(inp, k, rows.device)
         if k:
             token, q, confidence = self.propose(self.catch_up(inp, rows, L), sb, salt=1)
             if trim and not trim.keep(confidence):
                 k = 0                                           # no row believes its first draft
             else:
                 drafts, qs = [token], [q]
-            table = self.chain_table(inp, rows) if k > 1 else None
-            for i in range(2, k + 1):
-                attn = chain_step_batch(L + (i - 1), table, self.draft_kv)
-                token, q, confidence = self.propose(self.draft(drafts[-1], attn).hidden, sb, salt=i)
-                if trim and not trim.keep(confidence):
-                    break                                       # no row verifies d_i: the chain ends
-                drafts.append(token)
-                qs.append(q)
-        drafts_t = torch.stack(drafts, dim=1) if drafts else rows.new_zeros(batch, 0)     # [B, w]
-        self.mark("draft", marks)
-        v = self.verify(inp, rows, L, drafts_t, lambda: torch.stack(qs, dim=1),
-                        widths=trim.widths() if trim else None)
+        table = self.chain_table(inp, rows) if k > 1 else None
+        for i in range(2, k + 1):
+            attn = chain_step_batch(L + (i - 1), table, self.draft_kv)
+            token, q, confidence = self.propose(self.draft_model(drafts[-1], attn).hidden, sb, salt=i)
+            if trim and not trim.keep(confidence):
+                break                                           # no row verifies d_i: the chain ends
+            drafts.append(token)
+            qs.append(q)
+        return stack_chain(drafts, qs, rows, trim.widths() if trim else None)
+
+    def extend(self, inp, rows: torch.Tensor, L: torch.Tensor, v: Verified, marks: list) -> None:
         self.history.write_step(rows, L, v.emitted)
-        self.advance(rows, L, v)
-        self.mark("verify", marks)
-        return runner.step_result(v.emitted, v.n, v.logits, sb, marks)
+
+    # ---- a request's state ------------------------------------------------------------
+
+    def import_row(self, row: int, state, token_ids: list[int], kv_len: int) -> None:
+        super().import_row(row, state, token_ids, kv_len)
+        self.history.write_known(row, token_ids)

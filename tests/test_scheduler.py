@@ -11,6 +11,7 @@ import pytest
 from engine.kv_pool import KVPool
 from engine.messages import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from spec.policy import SpeculativeDecoding
 
 
 def make(num_slots=4096, page_size=1, rows=16, chunk=64, budget=128, max_running=16):
@@ -159,34 +160,34 @@ def test_under_load_decodes_go_plain_once_no_drafting_step_is_in_flight():
     batches unprocessed here, load finds r0's drafting step in flight: that step drafts nothing
     (r0's kv_len is only a bound), the next one decodes plain, reading r0's future, with r2's prompt."""
     config = SchedulerConfig(max_running_requests=8, max_queued_requests=100, max_prefill_tokens=128,
-                             chunked_prefill_size=64, context_length=4096, future_slots=18, spec_tokens=4,
-                             spec_off_batch_size=2, draft_skips_prefill=True)
-    sched = Scheduler(config, KVPool(4096, 1, 8), eos_ids=frozenset())
+                             chunked_prefill_size=64, context_length=4096, future_slots=18)
+    spec = SpeculativeDecoding(spec_tokens=4, off_batch_size=2, draft_catches_up=True)
+    sched = Scheduler(config, KVPool(4096, 1, 8), eos_ids=frozenset(), policy=spec)
     params = SamplingParams(max_new_tokens=40, temperature=0)
     sched.add("r0", [1, 2, 3, 4, 5], params)
     prefill = sched.schedule()
     sched.process(prefill, StepOutput(tokens=[[6]]))
     drafting = sched.schedule()
-    assert drafting.is_spec_decode and drafting.chain == 3 and sched.requests["r0"].drafting == 1
+    assert drafting.is_spec_decode and drafting.chain == 3 and sched.requests["r0"].decode.drafting == 1
     sched.add("r1", [7, 8, 9], params)
     prefill_r1 = sched.schedule()                  # r0 waits: a prompt is ready and load has not arrived
     assert not prefill_r1.is_spec_decode and [s.req.rid for s in prefill_r1.seqs] == ["r1"]
     chain0 = sched.schedule()                      # under load, r0's drafting step still in flight
-    assert chain0.is_spec_decode and chain0.chain == 0 and sched.spec_off_steps == 1
+    assert chain0.is_spec_decode and chain0.chain == 0 and spec.off_steps == 1
     r0_future = sched.requests["r0"].future_id
     sched.process(drafting, StepOutput(tokens=[[6, 7, 8]]))       # 2 of 3 drafts accepted
     sched.process(prefill_r1, StepOutput(tokens=[[10]]))
     sched.add("r2", [11, 12], params)
     plain = sched.schedule()
-    assert not plain.is_spec_decode and sched.spec_off_steps == 2
+    assert not plain.is_spec_decode and spec.off_steps == 2
     assert [(s.req.rid, s.q_len) for s in plain.seqs] == [("r0", 1), ("r1", 1), ("r2", 2)]
     assert plain.input_ids[0] == -r0_future            # the token chain0 emits, not yet on the host
     r0 = sched.requests["r0"]
     assert plain.seqs[0].start == len(r0.all_ids) == 9         # exact (5 prompt + 4 outputs on the host)
     # The device's L was 8 after the drafting step: its draft holds positions < 7; it skips the
     # chain-0 step and this one (a draft model that catches up: standalone), so it lags 2.
-    assert plain.draft_skip and (r0.draft_end, r0.draft_lag) == (7, 2)
+    assert plain.spec.draft_skip and (r0.decode.draft_end, r0.decode.draft_lag) == (7, 2)
     sched.process(chain0, StepOutput(tokens=[[9], [11]]))
     sched.process(plain, StepOutput(tokens=[[10], [12], [13]]))
-    assert r0.output_ids == [6, 6, 7, 8, 9, 10] and r0.spec_verify_ct == 3     # a plain decode counts as a verify
-    assert sched.requests["r2"].spec_verify_ct == 0                             # its first token is the prefill's
+    assert r0.output_ids == [6, 6, 7, 8, 9, 10] and r0.decode.verify_steps == 3     # a plain decode counts as a verify
+    assert sched.requests["r2"].decode.verify_steps == 0                             # its first token is the prefill's

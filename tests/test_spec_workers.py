@@ -14,13 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from devices.base import Deferred
 from devices.cpu import CpuDevice
 from engine.args import parse_args
-from engine.kv_pool import KVPool
+from engine.core import Finished
 from engine.messages import SamplingParams
 from engine.model_runner import ModelRunner
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.rank import build_core
 from spec.ngram_worker import SINGLE_TOKEN_MATCH_DRAFTS, ngram_drafts
 from tests.checkpoints import random_head, random_target
 from tests.engine_harness import engine, run_batch
@@ -93,92 +92,57 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
     return flags
 
 
-# ---- an in-process rank loop, for worker-level checks -----------------------------------
+# ---- the rank's engine core in-process, for worker-level checks ---------------------------
 
 def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: bool = True,
                         params: list[SamplingParams] | None = None, max_steps: int = 2000,
                         widths: list[tuple[int, int]] | None = None, verified_tokens: list[tuple[int, int]] | None = None,
                         kinds: list[str] | None = None):
-    """Run the scheduler and model runner as the rank does (with overlap, batch N+1 is
-    scheduled and launched before batch N is processed). Returns the outputs, (accepted drafts,
-    drafts verified) of every row of every speculative step in order (a row verifies the step's
-    whole chain unless the CPU trimmed it: see ConfidenceTrim), and the retraction count;
-    `widths` gets each speculative step's (chain, drafts its widest row verified), `verified_tokens`
-    the rows and tokens its verify forward read, `kinds` each decoding batch's kind in order: "draft"
-    (a speculative step with drafts), "chain0" (one that drafts nothing) or "plain" (decodes
-    scheduled as without speculation, under load)."""
-    args = parse_args(BASE_FLAGS + flags)
-    device = CpuDevice()
-    future_slots = 2 * args.max_running_requests + 2
-    runner = ModelRunner(args, device, future_slots)
-    row_widths: list[torch.Tensor] = []                   # drafts each row of a step verified
-    if runner.spec is not None:
-        verify = runner.spec.verify
-
-        def recorded(inp, rows, L, drafts, *args, widths=None, **kw):
-            row_widths.append(widths if widths is not None else torch.full_like(rows, drafts.shape[1]))
-            return verify(inp, rows, L, drafts, *args, widths=widths, **kw)
-        runner.spec.verify = recorded
-    forwards: list[int] = []                              # tokens of each target forward of a step
-    if verified_tokens is not None:
-        forward = runner.model.forward
-
-        def counted(ids, attn, **kw):
-            forwards.append(ids.shape[0])
-            return forward(ids, attn, **kw)
-        runner.model.forward = counted
-    scheduler = Scheduler(SchedulerConfig(
-        max_running_requests=args.max_running_requests, max_queued_requests=100,
-        max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-        context_length=runner.context_length, future_slots=future_slots, spec_tokens=runner.spec_tokens,
-        spec_off_batch_size=args.spec_off_batch_size, draft_skips_prefill=runner.draft_skips_prefill),
-        KVPool(runner.num_slots, args.page_size, runner.num_rows), eos_ids=frozenset())
-    requests = []
-    for i, (prompt, p) in enumerate(zip(prompts, params or [GREEDY] * len(prompts))):
-        assert scheduler.add(f"r{i}", prompt, p) is None
-        requests.append(scheduler.requests[f"r{i}"])
+    """Run the rank's engine core (engine/core.py: with overlap, batch N+1 is scheduled and
+    launched before batch N is processed) and observe its steps through its hook. Returns the
+    outputs, (accepted drafts, drafts verified) of every row of every speculative step in order (a
+    row verifies the step's whole chain unless the CPU trimmed it: see ConfidenceTrim), and the
+    retraction count; `widths` gets each speculative step's (chain, drafts its widest row verified),
+    `verified_tokens` the rows and tokens its verify forward read, `kinds` each decoding batch's kind
+    in order: "draft" (a speculative step with drafts), "chain0" (one that drafts nothing) or
+    "plain" (decodes scheduled as without speculation, under load)."""
+    args = parse_args(BASE_FLAGS + flags + ([] if overlap else ["--disable-overlap-schedule"]))
     drafted: list[tuple[int, int]] = []
 
-    def launch(batch):
-        inp = runner.prepare(batch)
-        if kinds is not None:
-            decodes = any(seq.q_len == 1 and seq.start >= len(seq.req.input_ids) for seq in batch.seqs)
-            if inp.spec_decode:
-                kinds.append("draft" if inp.chain else "chain0")
-            elif decodes:
-                kinds.append("plain")
-        forwards.clear()
-        with torch.inference_mode():
-            result = runner.speculative_step(inp) if inp.spec_decode else runner.forward_and_sample(inp)
-            if isinstance(result, Deferred):          # a prefill's draft work, after its result
-                result.rest()
-                result = result.result
-        if inp.spec_decode:
-            last = result.emitted[torch.arange(result.accepted.shape[0]), result.accepted]
-            assert torch.equal(runner.futures.tokens[inp.future_ids], last)     # a plain decode's next input
-            drafted.extend(zip(result.accepted.tolist(), row_widths[-1].tolist()))
-            if widths is not None:
-                widths.append((inp.chain, result.emitted.shape[1] - 1))
-            if verified_tokens is not None:
-                verified_tokens.append((inp.rows.numel(), forwards[0]))   # (rows, tokens) of its verify
-        return batch, result
+    def observe(done: Finished) -> None:
+        batch, result = done.batch, done.result
+        if kinds is not None and (batch.is_spec_decode or any(seq.decode for seq in batch.seqs)):
+            kinds.append(("draft" if batch.chain else "chain0") if batch.is_spec_decode else "plain")
+        if not batch.is_spec_decode:
+            return
+        last = result.emitted[torch.arange(result.accepted.shape[0]), result.accepted]
+        futures = torch.tensor([seq.future_id for seq in batch.sampling])
+        assert torch.equal(core.runner.futures.tokens[futures], last)          # a plain decode's next input
+        drafted.extend(zip(result.accepted.tolist(), result.drafted.tolist()))
+        if widths is not None:
+            widths.append((batch.chain, result.emitted.shape[1] - 1))
+        if verified_tokens is not None:
+            verified_tokens.append((len(batch.seqs), result.verify_tokens))   # (rows, tokens) of its verify
 
-    in_flight, steps = None, 0
+    async def run() -> list:
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params or [GREEDY] * len(prompts))):
+            assert core.scheduler.add(f"r{i}", prompt, p) is None
+            requests.append(core.scheduler.requests[f"r{i}"])
+        for _ in range(max_steps):
+            if not core.busy:
+                return [r.output_ids for r in requests]
+            await core.step()
+        raise AssertionError("the engine core did not finish")
+
+    device = CpuDevice()
     try:
-        while scheduler.has_work or in_flight:
-            steps += 1
-            assert steps <= max_steps, "the in-process loop did not finish"
-            batch = scheduler.schedule()
-            launched = launch(batch) if batch else None
-            if in_flight:
-                scheduler.process(in_flight[0], runner.output(in_flight[1]))
-            in_flight = launched
-            if in_flight and not overlap:
-                scheduler.process(in_flight[0], runner.output(in_flight[1]))
-                in_flight = None
+        core = build_core(args, device, eos_ids=frozenset())
+        core.observers.append(observe)
+        outputs = asyncio.run(run())
     finally:
         device.close()
-    return [r.output_ids for r in requests], drafted, scheduler.retractions
+    return outputs, drafted, core.scheduler.retractions
 
 
 def full_chains(steps: list[tuple[int, int]]) -> list[int]:

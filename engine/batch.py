@@ -1,0 +1,79 @@
+"""What the scheduler hands to the model runner (a ScheduledBatch) and gets back (a StepOutput).
+Plain data: no tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.messages import SamplingParams
+from engine.request import Request
+
+
+@dataclass
+class SeqWork:
+    req: Request
+    row: int
+    start: int          # first position fed (speculative decode: an upper bound; the device knows)
+    q_len: int          # tokens fed
+    future_id: int = 0  # > 0 when this sequence samples; its output's future-map slot
+    last_chunk: bool = False
+    decode: bool = False  # a decode (plain or speculative), not a prompt chunk
+    noise_key: int = 0  # seeded sampling: what, besides the seed, fixes this step's random draws
+
+    @property
+    def samples(self) -> bool:
+        return self.future_id > 0
+
+
+@dataclass
+class SpecPlan:
+    """What speculative decoding adds to a batch (spec/policy.py fills it)."""
+    decode: bool = False        # a draft/verify step of decoding requests (else a prefill batch)
+    chain: int = 0              # decode: draft tokens per request (k, or 0: a chain-0 step under load)
+    draft_lag: list[int] = field(default_factory=list)    # decode: tokens each request's draft has not read
+    draft_next: list[int] = field(default_factory=list)   # prefill: the token after each chunk (-1: sampled)
+    draft_skip: bool = False    # prefill: the draft model does not read these chunks (under load)
+
+
+@dataclass
+class ScheduledBatch:
+    step: int
+    seqs: list[SeqWork]
+    input_ids: list[int]        # flattened over seqs; -f means "the token in future slot f"
+    table_rows: list[int] = field(default_factory=list)    # request->slot table entries this batch sets:
+    table_pos: list[int] = field(default_factory=list)     #   table[row, pos] = slot, for every newly
+    table_slots: list[int] = field(default_factory=list)   #   allocated position
+    sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
+    spec: SpecPlan | None = None                           # with speculative decoding
+
+    @property
+    def is_spec_decode(self) -> bool:
+        return self.spec is not None and self.spec.decode
+
+    @property
+    def chain(self) -> int:
+        return self.spec.chain if self.spec else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def sampling(self) -> list[SeqWork]:
+        return [s for s in self.seqs if s.samples]
+
+    @property
+    def max_q(self) -> int:
+        return max(s.q_len for s in self.seqs)
+
+    @property
+    def max_kv(self) -> int:
+        return max(s.start + s.q_len for s in self.seqs)
+
+
+@dataclass
+class StepOutput:
+    """What a finished batch produced, on the host: per sampling seq, the run of tokens
+    it emits (one token, or a speculative step's accepted tokens plus the bonus)."""
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None

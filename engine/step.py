@@ -1,0 +1,112 @@
+"""The typed contract between the model runner, the speculative workers and the engine core:
+what a launched step reads (StepInputs, host tensors built on the CPU) and what it produces
+(StepResult, host tensors read once its launch resolved), and the narrow handle on the target
+model that a speculative worker gets (Target) instead of the whole runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.batch import StepOutput
+from engine.sampling import SamplingBatch, token_logprobs
+
+if TYPE_CHECKING:
+    from devices.base import Device
+    from engine.models.attention import KVCache, Group
+    from engine.models.base import CausalLM
+
+
+@dataclass
+class SpecInputs:
+    """What a speculative step (or a prefill with speculation on) adds to its inputs."""
+    decode: bool                  # a draft/verify step (else a prefill batch)
+    chain: int                    # decode: draft tokens per request (0: a plain step under load)
+    draft_lag: torch.Tensor       # decode: tokens each request's draft model has not read yet
+    draft_next: torch.Tensor      # prefill: the token after each chunk (-1: the sampled one)
+    draft_skip: bool = False      # prefill: the draft model does not read this batch
+    trim: bool = True             # decode: rows may verify fewer drafts where the device reads for free
+
+
+@dataclass
+class StepInputs:
+    """Host tensors of one batch; kept referenced until its work has run."""
+    input_ids: torch.Tensor
+    table_rows: torch.Tensor
+    table_pos: torch.Tensor
+    table_slots: torch.Tensor
+    q_lens: torch.Tensor
+    kv_lens: torch.Tensor
+    rows: torch.Tensor
+    sample_rows: torch.Tensor      # index of each sampling sequence's last token among the T tokens
+    future_ids: torch.Tensor
+    max_q: int
+    max_kv: int
+    sampling: SamplingBatch
+    spec: SpecInputs | None = None
+    groups: list[Group] | None = None     # attention parts (host indices): decodes apart from prompt chunks
+
+    @property
+    def spec_decode(self) -> bool:
+        return self.spec is not None and self.spec.decode
+
+
+@dataclass
+class StepResult:
+    """What a launched step produced, as host tensors (read them once its launch resolved)."""
+    emitted: torch.Tensor | None = None        # [B, R] tokens; row b's first accepted[b] + 1 count
+    accepted: torch.Tensor | None = None       # [B] accepted drafts (0: one token)
+    logprobs: torch.Tensor | None = None       # [B, R] of the emitted tokens, when a row asked
+    top_values: torch.Tensor | None = None     # [B, R, top]
+    top_ids: torch.Tensor | None = None
+    marks: list = field(default_factory=list)  # speculative steps: (phase, device mark), "start" first
+    drafted: torch.Tensor | None = None        # speculative steps: [B] drafts each row verified
+    verify_tokens: int = 0                     # speculative steps: tokens the verify forward read
+
+    def output(self) -> StepOutput:
+        """Host lists (call once the step's launch resolved)."""
+        if self.emitted is None:
+            return StepOutput(tokens=[])
+        counts = [n + 1 for n in self.accepted.tolist()]
+        out = StepOutput(tokens=[row[:c] for row, c in zip(self.emitted.tolist(), counts)])
+        if self.logprobs is not None:
+            out.logprobs = [row[:c] for row, c in zip(self.logprobs.tolist(), counts)]
+            out.top_logprobs = [[list(zip(i, v)) for i, v in zip(ids[:c], vals[:c])] for ids, vals, c in
+                                zip(self.top_ids.tolist(), self.top_values.tolist(), counts)]
+        return out
+
+
+def step_result(emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch,
+                **extra: Any) -> StepResult:
+    """Host copies of a step's outputs (on the stream): emitted [B, R] tokens of which the first
+    n+1 count, and, when asked, logprobs of the model's distribution at each of the R rows."""
+    host = lambda t: t.to("cpu", non_blocking=True)  # noqa: E731
+    result = StepResult(emitted=host(emitted), accepted=host(n), **extra)
+    if sb.max_logprobs is not None:
+        batch, rows = emitted.shape
+        chosen, values, ids = token_logprobs(logits.reshape(batch * rows, -1), emitted.reshape(-1), sb.max_logprobs)
+        result.logprobs = host(chosen.view(batch, rows))
+        result.top_values, result.top_ids = host(values.view(batch, rows, -1)), host(ids.view(batch, rows, -1))
+    return result
+
+
+@dataclass
+class Target:
+    """What a speculative worker may use of the target side. `kv` and `req_to_slot` are set once
+    the cache is sized (a draft's own KV counts in that size)."""
+    model: CausalLM
+    device: Device
+    dtype: torch.dtype
+    vocab_size: int
+    num_rows: int
+    table_width: int
+    page_size: int
+    generator: torch.Generator
+    kv: KVCache | None = None
+    req_to_slot: torch.Tensor | None = None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self.device.torch_device

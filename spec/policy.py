@@ -1,0 +1,195 @@
+"""Speculative decoding, CPU side: how the scheduler feeds decoding requests when a draft
+proposes tokens (pure Python: no tensors, tested on plain data). The device side is a
+speculative worker (spec/base.py).
+
+A speculative decode step feeds each request k+1 positions whose start and accepted length live
+on the device. `kv_len` is then an upper bound: each launched step adds k+1, each processed step
+gives back what it did not accept, and the pages past the bound are returned. Prefill and
+speculative decode go in separate batches (plain decodes under load join prefill batches).
+
+An all-greedy step drafts no more tokens than its requests can still emit (max_new_tokens, the
+context), and a request that must finish with the steps in flight is not fed again.
+
+Under load (at least `off_batch_size` decoding requests) speculation is off: the decodes are
+scheduled as without speculation, one token each, in the same batch as prompt chunks
+(`feed_plain`). To the worker such a decode is a one-token last chunk: its prefill hook seeds
+kv_len and bonus from it. Its input is the request's future, which every step stores (a
+speculative step: its last emitted token). Only a request with no drafting step in flight
+(`drafting == 0`) can be fed so, since only then is its kv_len exact; were one in flight, the
+decodes would go as a speculative step that drafts nothing (chain 0), which also emits exactly
+one token. The rank never meets that case (load grows only through a prefill batch, and the step
+before it is processed before the next is scheduled); a rank further behind would.
+
+A draft model that skipped plain steps catches up in the next drafting step; `draft_lag` (tokens
+its draft has not read) is exact on the CPU because each of those steps emitted exactly one
+token. Such a draft (`catches_up`) also skips prefill batches under load (`draft_skip`: as many
+requests running): a request whose prompt the draft did not read starts decoding with
+draft_lag = P - 1 - draft_end (P prompt tokens, the draft read the first draft_end), and once
+one of its chunks was skipped the later ones are too, so what the draft lacks is always the tail
+its catch-up reads. A plain decode is such a skipped last chunk, so the same rule counts its lag.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.batch import ScheduledBatch, SeqWork, SpecPlan
+from engine.policy import DecodePolicy
+from engine.request import Request, Status
+
+if TYPE_CHECKING:
+    from engine.scheduler import Scheduler
+
+SPEC_NOISE_BASE = 1 << 24      # keeps speculative steps' noise keys apart from token positions
+
+
+@dataclass
+class SpecRecord:
+    """Speculative decoding's record of one request (Request.decode)."""
+    steps_launched: int = 0     # speculative steps launched: seeded noise keys (the KV bound depends on timing)
+    draft_lag: int = 0          # positions its draft model has to catch up on
+    draft_end: int = 0          # positions its draft model has read (prefill; plain decodes under load)
+    drafting: int = 0           # speculative steps with drafts in flight (kv_len is a bound while > 0)
+    plain: bool = False         # its last step was a plain decode under load (feed_plain)
+    verify_steps: int = 0       # steps that produced output for it while decoding
+
+
+class SpeculativeDecoding(DecodePolicy):
+    def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False):
+        self.growth = spec_tokens               # k+1 positions per speculative step
+        self.off_batch_size = off_batch_size    # decode batches this large draft nothing (0: always draft)
+        self.catches_up = draft_catches_up      # the draft can skip prefill chunks and read them later
+        self.off_steps = 0                      # decode steps without speculation (under load)
+
+    @property
+    def k(self) -> int:
+        return self.growth - 1
+
+    def new_record(self) -> SpecRecord:
+        return SpecRecord()
+
+    def new_plan(self) -> SpecPlan:
+        return SpecPlan()
+
+    def is_decoding(self, req: Request) -> bool:
+        return req.prefilled                 # its last chunk is launched: the device holds its spec state
+
+    def decodes_now(self, sched: "Scheduler", decodes: list[Request]) -> bool:
+        return not sched.prefill_ready() or self.under_load(decodes)
+
+    def under_load(self, decodes: list[Request]) -> bool:
+        """Speculation is off: as many decoding requests as --speculative-disable-by-batch-size."""
+        return self.off_batch_size > 0 and len(decodes) >= self.off_batch_size
+
+    # ---- decode steps ----------------------------------------------------------------
+
+    def plan_decodes(self, sched: "Scheduler", batch: ScheduledBatch, decodes: list[Request]) -> bool:
+        wanted = {req.rid: self.tokens_wanted(sched, req) for req in decodes}
+        decodes = [r for r in decodes if wanted[r.rid] > 0]        # the rest finish with a step in flight
+        if self.under_load(decodes) and not any(r.decode.drafting for r in decodes):
+            self.off_steps += 1
+            for req in decodes:
+                self.feed_plain(sched, batch, req)                   # prompt chunks may join
+            return False
+        if not decodes:
+            return False
+        batch.spec.decode = True
+        batch.spec.chain = self.chain_length(decodes, max(wanted.values()))
+        for req in decodes:
+            self.feed_spec(sched, batch, req)
+        return True
+
+    def tokens_wanted(self, sched: "Scheduler", req: Request) -> int:
+        """Most tokens the request can still emit, given that every step in flight emits at least one."""
+        return min(req.params.max_new_tokens - len(req.output_ids),
+                   sched.config.context_length - req.known_len) - req.pending
+
+    def chain_length(self, decodes: list[Request], most_wanted: int) -> int:
+        """Draft tokens per request: none under load and, for an all-greedy batch, never more than
+        its requests can still use (most_wanted: the largest tokens_wanted among them).
+        The cap depends on timing (what was processed when), so it is kept from sampling batches:
+        a seeded request must see the same chain lengths in every run."""
+        if self.under_load(decodes):
+            self.off_steps += 1
+            return 0
+        if not all(r.params.greedy for r in decodes):
+            return self.k
+        return max(0, min(self.k, most_wanted - 1))
+
+    def feed_spec(self, sched: "Scheduler", batch: ScheduledBatch, req: Request) -> None:
+        """One speculative step: its chain+1 positions start where the device says."""
+        chain, record = batch.spec.chain, req.decode
+        size = chain + 1
+        sched.allocate(batch, req, req.kv_len + size)
+        record.steps_launched += 1
+        seq = SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, decode=True,
+                      noise_key=SPEC_NOISE_BASE + record.steps_launched)
+        seq.future_id = req.future_id = sched.take_future()      # its last emitted token: a plain decode's input
+        batch.seqs.append(seq)
+        batch.spec.draft_lag.append(record.draft_lag)
+        record.draft_lag = record.draft_lag + 1 if chain == 0 else 0
+        record.drafting += chain > 0
+        record.plain = False
+        batch.sample_params.append(req.params)
+        req.kv_len += size
+        req.pending += 1
+
+    def feed_plain(self, sched: "Scheduler", batch: ScheduledBatch, req: Request) -> None:
+        """Under load, a decode as without speculation (kv_len is exact: no drafting step in flight).
+        Coming from speculative steps, the draft has read the positions before kv_len - 1 - draft_lag;
+        end_prefill_plan counts what it lacks from there."""
+        record = req.decode
+        if not record.plain:
+            record.draft_end, record.plain = req.kv_len - 1 - record.draft_lag, True
+        sched.feed(batch, req, 1, decode=True)
+
+    # ---- prefill batches -------------------------------------------------------------
+
+    def on_fed(self, batch: ScheduledBatch, seq: SeqWork) -> None:
+        """The draft reads token t+1 at position t; a last chunk's is sampled."""
+        end = seq.start + seq.q_len
+        batch.spec.draft_next.append(-1 if seq.last_chunk else seq.req.all_ids[end])
+
+    def end_prefill_plan(self, sched: "Scheduler", batch: ScheduledBatch) -> None:
+        """Does the draft model read this prefill batch, and how far each request's draft lags."""
+        off = self.off_batch_size
+        skip = self.catches_up and off > 0 and (
+            len(sched.running) >= off or any(seq.req.decode.draft_end < seq.start for seq in batch.seqs))
+        batch.spec.draft_skip = skip
+        for seq in batch.seqs:
+            record, end = seq.req.decode, seq.start + seq.q_len
+            if not skip:
+                record.draft_end = end
+            if seq.last_chunk:
+                record.draft_lag = 0 if record.draft_end == end else end - 1 - record.draft_end
+
+    # ---- results -----------------------------------------------------------------------
+
+    def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int]) -> None:
+        req = seq.req
+        if seq.decode:                       # a plain decode under load counts as a one-token verify
+            req.decode.verify_steps += 1
+        if batch.is_spec_decode:
+            req.decode.drafting -= batch.chain > 0
+            if req.status is Status.RUNNING:
+                sched.give_back(req, seq.q_len - len(run))
+
+    def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
+        if batch.is_spec_decode:
+            seq.req.decode.drafting -= batch.chain > 0
+
+    def on_retract(self, req: Request) -> None:
+        req.decode.draft_lag = req.decode.draft_end = 0
+        req.decode.plain = False
+
+    def verify_steps(self, req: Request) -> int:
+        return req.decode.verify_steps
+
+    def export_record(self, req: Request) -> dict:
+        if req.decode.drafting:
+            raise ValueError(f"request {req.rid} has a drafting step in flight")
+        return dataclasses.asdict(req.decode)
+
+    def import_record(self, req: Request, record: dict) -> None:
+        req.decode = SpecRecord(**record)
