@@ -28,9 +28,10 @@ from typing import Callable
 
 from devices.base import DeferredWorkFailed, Launched
 from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.messages import SamplingParams
+from engine.request import Request, Status
 from engine.scheduler import ScheduledBatch, Scheduler, StepOutput
-from engine.step import StepResult
+from engine.step import RequestState, StepResult
 from engine.trace import OverlapMeter, Tracer
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,34 @@ class EngineCore:
         """Finish the step in flight (at shutdown)."""
         flight, self.in_flight = self.in_flight, None
         return await self.finish(flight, behind=None) if flight else []
+
+    # ---- a request's state, to continue elsewhere ----------------------------------------
+
+    async def export_request(self, rid: str) -> RequestState:
+        """A running request with nothing in flight (drain first): its KV and decoding state."""
+        req = self.scheduler.requests[rid]
+        if req.pending or req.status is not Status.RUNNING or not self.scheduler.policy.is_decoding(req):
+            raise ValueError(f"request {rid} is not decoding at a step boundary")
+        record = self.scheduler.policy.export_record(req)
+        slots = self.scheduler.pool.slots(req.pages, 0, req.kv_len)
+        target_kv, draft_kv, draft_row = await self.runner.device.launch(
+            lambda: self.runner.export_state(req.row, slots))
+        return RequestState(req.kv_len, target_kv, draft_kv, draft_row, record)
+
+    async def import_request(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: list[int],
+                             state: RequestState) -> str | None:
+        """Continue a request exported elsewhere; None, or why it cannot run here."""
+        req, error = self.scheduler.admit_imported(rid, input_ids, params, output_ids, state.kv_len, state.record)
+        if error:
+            return error
+        pool = self.scheduler.pool
+        slots = pool.slots(req.pages, 0, len(req.pages) * pool.page_size)
+        try:
+            await self.runner.device.launch(lambda: self.runner.import_state(req.row, slots, state, req.all_ids))
+        except Exception as exc:       # noqa: BLE001 - a malformed state fails this request alone
+            self.scheduler.fail(req, f"import failed: {exc}")
+            return f"import failed: {exc}"
+        return None
 
     # ---- launch ----------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from engine.future_map import FutureMap
 from engine.models.attention import KVCache, attention_groups, build_attention_batch, padded_width
 from engine.models.loader import load_model, resolve_dtype
 from engine.sampling import SamplingBatch, sample
-from engine.step import SpecInputs, StepInputs, StepResult, Target, step_result
+from engine.step import RequestState, SpecInputs, StepInputs, StepResult, Target, step_result
 from spec.base import SpecWorker, create_spec_worker
 
 log = logging.getLogger(__name__)
@@ -158,10 +158,60 @@ class ModelRunner:
         self.futures.store(put(inp.future_ids), self.worker.bonus[put(inp.rows)])
         return result
 
+    def idle_step(self, decode: bool) -> StepResult:
+        """On the stream: a step with no rows that makes the same sequence of model calls as a real
+        one (a prefill batch, or a decode step with the whole chain), so that a rank with no work can
+        join the collectives of the others."""
+        inp = self.idle_inputs(decode)
+        if decode and self.worker:
+            return self.speculative_step(inp)
+        result = self.forward_and_sample(inp)
+        return result.result if isinstance(result, Deferred) else result
+
+    def idle_inputs(self, decode: bool) -> StepInputs:
+        empty = torch.zeros(0, dtype=torch.long)
+        chain = self.spec_tokens - 1 if decode and self.worker else 0
+        spec = SpecInputs(decode=decode, chain=chain, draft_lag=empty, draft_next=empty, trim=False) \
+            if self.worker else None
+        return StepInputs(input_ids=empty, table_rows=empty, table_pos=empty, table_slots=empty, q_lens=empty,
+                          kv_lens=empty, rows=empty, sample_rows=empty, future_ids=empty, max_q=chain + 1,
+                          max_kv=chain + 1, sampling=SamplingBatch.build([], [], self.vocab_size, torch.device("cpu")),
+                          spec=spec)
+
+    # ---- a request's state, to continue elsewhere (on the stream) --------------------
+
+    def export_state(self, row: int, slots: list[int]) -> tuple[list, list, dict]:
+        """The KV of the given slots (positions 0..len(slots)-1), the draft's too, and the row's draft state."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.device.torch_device)
+        draft_kv = read_kv(self.worker.draft_kv, index) if self.worker and self.worker.draft_kv else []
+        return read_kv(self.kv, index), draft_kv, self.worker.export_row(row) if self.worker else {}
+
+    def import_state(self, row: int, slots: list[int], state: RequestState, token_ids: list[int]) -> None:
+        """Write an exported request into `row`, whose positions 0..len(slots)-1 have `slots`."""
+        dev = self.device.torch_device
+        index = torch.tensor(slots, dtype=torch.long, device=dev)
+        self.req_to_slot[row, :len(slots)] = index
+        write_kv(self.kv, index[:state.kv_len], state.target_kv)
+        if self.worker:
+            if self.worker.draft_kv:
+                write_kv(self.worker.draft_kv, index[:state.kv_len], state.draft_kv)
+            self.worker.import_row(row, state.draft_row, token_ids, state.kv_len)
+
     def phase_times(self, result: StepResult) -> list[tuple[str, float]]:
         """(phase, device seconds) of a finished speculative step, from the marks it recorded."""
         marks, device = result.marks, self.device
         return [(name, device.seconds_between(prev, cur)) for (_, prev), (name, cur) in zip(marks, marks[1:])]
+
+
+def read_kv(kv: KVCache, index: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.stack([k.index_select(0, index), v.index_select(0, index)]).to("cpu") for k, v in zip(kv.k, kv.v)]
+
+
+def write_kv(kv: KVCache, index: torch.Tensor, layers: list[torch.Tensor]) -> None:
+    for k, v, kv_pair in zip(kv.k, kv.v, layers):
+        pair = kv_pair.to(k.device)
+        k.index_copy_(0, index, pair[0])
+        v.index_copy_(0, index, pair[1])
 
 
 def sampling_rows(batch: ScheduledBatch) -> tuple[list[int], list[int], list[int]]:

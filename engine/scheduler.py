@@ -75,6 +75,26 @@ class Scheduler:
             return "overloaded"
         return None
 
+    def admit_imported(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: list[int],
+                       kv_len: int, record: dict) -> tuple[Request | None, str | None]:
+        """A request that ran elsewhere up to a step boundary: its KV holds positions [0, kv_len) and
+        its last output is fed next. It gets a row and pages for them plus one decode step, and runs
+        (the caller writes its KV and device state into them). Returns it, or why it cannot run here."""
+        error = self.refusal(rid, input_ids, params)
+        if error:
+            return None, error
+        if not self.pool.free_rows or not self.pool.can_grow([], kv_len + self.policy.growth) \
+                or len(self.running) >= self.config.max_running_requests:
+            return None, "no room for it now"
+        req = Request(rid, list(input_ids), params, self.eos_ids, self.policy.new_record())
+        req.output_ids = list(output_ids)
+        self.policy.import_record(req, record)
+        req.row, req.kv_len, req.prefilled, req.status = self.pool.take_row(), kv_len, True, Status.RUNNING
+        self.pool.grow(req.pages, kv_len + self.policy.growth)
+        self.requests[rid] = req
+        self.running.append(req)
+        return req, None
+
     def abort(self, rid: str, reason: str) -> Request | None:
         req = self.requests.get(rid)
         if req is None or req.finished:

@@ -93,6 +93,20 @@ def step_result(emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb
 
 
 @dataclass
+class RequestState:
+    """A request at a step boundary (nothing in flight for it), enough to continue it under another
+    engine built from the same weights. Host tensors and plain data.
+
+    Positions [0, kv_len) are in the KV cache; the request's last output token (at position kv_len)
+    is not: the next step feeds it."""
+    kv_len: int
+    target_kv: list[torch.Tensor]               # per layer [2, kv_len, kv_heads, head_dim]: K and V
+    draft_kv: list[torch.Tensor]                # the draft model's or head's own, same layout ([] without)
+    draft_row: dict[str, torch.Tensor]          # per-row draft state (EAGLE: its hidden state and first draft)
+    record: dict                                # the decode policy's record of the request (CPU side)
+
+
+@dataclass
 class Target:
     """What a speculative worker may use of the target side. `kv` and `req_to_slot` are set once
     the cache is sized (a draft's own KV counts in that size)."""

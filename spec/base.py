@@ -153,7 +153,7 @@ class SpecWorker(ABC):
         logits = target.model.compute_logits(out.hidden)
         if grid is not None:                       # back on the grid; rows past a width stay 0 (never accepted)
             logits = logits.new_zeros(rows.shape[0] * (k + 1), logits.shape[-1]).index_copy_(0, grid, logits)
-        logits = logits.view(rows.shape[0], k + 1, -1)
+        logits = logits.view(rows.shape[0], k + 1, logits.shape[-1])
         emitted, n = verify_greedy(greedy_drafts, logits)
         if not inp.sampling.all_greedy:
             emitted, n = self.accept_sampled(inp.sampling, chain, logits, emitted, n)

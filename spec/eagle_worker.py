@@ -126,8 +126,6 @@ class EagleWorker(SpecWorker):
         next_ids[last] = after
         features = out.aux_hidden if self.needs_aux else out.hidden
         g_all = self.head(next_ids, features, dataclasses.replace(attn, kv=self.draft_kv))
-        if sampled.numel() == 0:
-            return
         rows = self.seed_sampled_rows(inp, sampled)
         self.seed_rows(rows, g_all[last[samples]], inp.sampling, salt=1)
 

@@ -66,8 +66,6 @@ class NgramWorker(SpecWorker):
 
     def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
         self.history.write_prefill(inp, input_ids, attn.positions, sampled)
-        if sampled.numel() == 0:
-            return
         self.seed_sampled_rows(inp, sampled)
 
     # ---- one speculative step ------------------------------------------------------

@@ -72,8 +72,6 @@ class StandaloneWorker(SpecWorker):
         if not inp.spec.draft_skip:                            # under load: caught up when drafting resumes
             self.draft_model(input_ids, dataclasses.replace(attn, kv=self.draft_kv))
         self.history.write_prefill(inp, input_ids, attn.positions, sampled)
-        if sampled.numel() == 0:
-            return
         self.seed_sampled_rows(inp, sampled)
 
     # ---- one speculative step ------------------------------------------------------

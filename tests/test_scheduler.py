@@ -4,10 +4,14 @@ A fake device "samples" token = (last fed token + 1) % 50, which lets the tests
 check what each step fed, including futures resolved one step late (overlap)."""
 from __future__ import annotations
 
+import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from devices.base import Launched
+from engine.core import EngineCore
 from engine.kv_pool import KVPool
 from engine.messages import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, StepOutput
@@ -49,22 +53,32 @@ def expected(prompt, n):
     return out
 
 
+class FakeRunner:
+    """The engine core's runner over FakeDevice: a launch is done at once."""
+
+    def __init__(self):
+        self.device = FakeDevice()
+
+    def launch(self, batch):
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(SimpleNamespace(output=lambda out=self.device.run(batch): out))
+        return Launched(future)
+
+
 def drive(sched, overlap=True, max_steps=2000, on_step=None):
-    device, in_flight, steps = FakeDevice(), None, 0
-    while (sched.has_work or in_flight) and steps < max_steps:
-        steps += 1
-        batch = sched.schedule()
-        launched = (batch, device.run(batch)) if batch else None
-        if in_flight:
-            sched.process(*in_flight)
-        in_flight = launched
-        if in_flight and not overlap:
-            sched.process(*in_flight)
-            in_flight = None
-        if on_step:
-            on_step(sched)
-    assert steps < max_steps
-    return device
+    """Run the scheduler as the rank does: through the engine core, with or without overlap."""
+    core = EngineCore(sched, FakeRunner(), overlap)
+
+    async def run():
+        for _ in range(max_steps):
+            if not core.busy:
+                return
+            await core.step()
+            if on_step:
+                on_step(sched)
+        raise AssertionError("the engine core did not finish")
+    asyncio.run(run())
+    return core.runner.device
 
 
 @pytest.mark.parametrize("overlap", [True, False])

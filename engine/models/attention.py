@@ -217,10 +217,10 @@ def gather(cache: torch.Tensor, part: AttentionPart, page_size: int) -> torch.Te
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: AttentionPart,
            scale: float, page_size: int) -> torch.Tensor:
     """One part's queries over its sequences' cached keys: [n, H, D], in token_rows order."""
-    seqs = part.read_slots.shape[0]
+    seqs, width = part.query_rows.shape
     keys = gather(k_cache, part, page_size).transpose(1, 2)          # [B, Hkv, K, D]
     values = gather(v_cache, part, page_size).transpose(1, 2)
-    queries = q.index_select(0, part.query_rows.reshape(-1)).view(seqs, -1, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, D]
+    queries = q.index_select(0, part.query_rows.reshape(-1)).view(seqs, width, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, D]
     if keys.dtype != queries.dtype:
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask, scale=scale,
