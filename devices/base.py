@@ -82,8 +82,6 @@ class Device(ABC):
         """(free, total) bytes of device memory, or None where there is no such notion."""
         return None
 
-    def default_dtype(self) -> torch.dtype:
-        return torch.bfloat16
 
     def order_after_setup(self) -> None:
         """Make launched work wait for what model loading and KV allocation queued (call once,

@@ -26,10 +26,8 @@ class CpuDevice(Device):
 
     def set_threads(self, threads: int) -> None:
         """Intra-op threads of the stream's work. Set in the worker thread itself, so the rank
-        loop's own small torch calls keep their single thread: on the 2-core development machine
-        the stream on both cores beat the old split (loop on one core, model on the other) by
-        1.15x for plain decoding at concurrency 1, 1.20x at 4 and 1.15x at 16, and EAGLE and
-        n-gram by 1.16x at concurrency 1 (bench/results/wide_all.txt)."""
+        loop's own small torch calls keep their single thread (the model on every core of the rank
+        measured faster than a core kept for the loop: README "Performance")."""
         self.threads = threads
 
     @property
@@ -43,7 +41,7 @@ class CpuDevice(Device):
         def timed() -> None:
             launched.started = now()
             # In the worker thread at its next launch, i.e. after the model was loaded: set before
-            # that (right at start-up) the same 2 threads ran plain decoding 2.9x slower here.
+            # that (right at start-up) the same threads ran much slower (README "Performance").
             if self.threads and torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
             try:
@@ -74,8 +72,6 @@ class CpuDevice(Device):
     def synchronize(self) -> None:
         self.worker.submit(lambda: None).result()
 
-    def default_dtype(self) -> torch.dtype:
-        return torch.float32
 
     def close(self) -> None:
         self.worker.shutdown(wait=True, cancel_futures=True)

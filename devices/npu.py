@@ -5,6 +5,8 @@ machines without an Ascend NPU and its driver stack.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from devices.stream_device import StreamDevice
@@ -16,7 +18,7 @@ class NpuDevice(StreamDevice):
 
     def __init__(self, index: int = 0):
         try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
+            importlib.import_module("torch_npu")          # registers torch.npu
         except ImportError as exc:
             raise RuntimeError("--device npu needs torch_npu and an Ascend NPU driver stack") from exc
         self.module = torch.npu

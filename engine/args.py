@@ -22,8 +22,9 @@ SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
 DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # Batch size from which a decode step drafts nothing (0: never), from the concurrency sweeps in
 # the README: where speculation stops paying, plain steps are cheaper.
-# standalone: measured on the 2-core CPU (bench/results/standalone_off.txt), its 2-layer draft pays only
-# for one request at a time; on a GPU, where a draft step is cheap next to the target, pass a larger N or 0.
+# standalone: on a CPU its 2-layer draft pays only for one request at a time (README "Performance",
+# bench/results/standalone_off.txt); on a GPU, where a draft step is cheap next to the target, pass a
+# larger N or 0.
 DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 2, "ngram": 0}
 
 
@@ -33,32 +34,40 @@ def flag(default, help: str, choices=None):
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str = flag(DEFAULT_MODEL, "Local folder of a Hugging Face checkpoint (config.json, safetensors, tokenizer).")
+    model_path: str = flag(DEFAULT_MODEL, "Local folder of a Hugging Face checkpoint (config.json, safetensors, "
+                                          "tokenizer).")
     tokenizer_path: str | None = flag(None, "Tokenizer folder (default: the model path).")
-    served_model_name: str | None = flag(None, "Model name reported by /v1/models and accepted in requests (default: the folder name).")
+    served_model_name: str | None = flag(None, "Model name reported by /v1/models and accepted in requests "
+                                               "(default: the folder name).")
     host: str = flag("127.0.0.1", "Address to listen on.")
     port: int = flag(30000, "HTTP port.")
     role: str = flag("unified", "unified: one node; prefill / decode: halves of a disaggregated deployment.",
                      ["unified", "prefill", "decode"])
-    device: str = flag("auto", "Where the model runs; auto picks cuda, then npu, then cpu.", ["auto", "cpu", "cuda", "npu"])
+    device: str = flag("auto", "Where the model runs; auto picks cuda, then npu, then cpu.",
+                       ["auto", "cpu", "cuda", "npu"])
     dtype: str = flag("auto", "Weight and activation dtype; auto: bfloat16 on accelerators, float32 on the CPU.",
                       ["auto", "float32", "bfloat16", "float16"])
     max_running_requests: int = flag(64, "Most requests decoding at once on a rank.")
     max_queued_requests: int = flag(1024, "Most requests waiting on a rank; beyond it requests get 503.")
     max_total_tokens: int | None = flag(None, "KV cache size in tokens (default: from --mem-fraction-static on devices "
                                               "with memory stats, else 65536 on the CPU).")
-    mem_fraction_static: float = flag(0.85, "Fraction of device memory for weights plus KV cache (devices with memory stats).")
-    chunked_prefill_size: int = flag(512, "Most prompt tokens one request prefills in a step; longer prompts are chunked.")
+    mem_fraction_static: float = flag(0.85, "Fraction of device memory for weights plus KV cache (devices with "
+                                            "memory stats).")
+    chunked_prefill_size: int = flag(512, "Most prompt tokens one request prefills in a step; longer prompts "
+                                          "are chunked.")
     max_prefill_tokens: int = flag(2048, "Token budget of a step for prefill chunks (decodes come on top).")
-    page_size: int = flag(1, "Tokens per KV page: the unit of KV allocation; above 1, attention gathers keys a page at a time.")
+    page_size: int = flag(1, "Tokens per KV page: the unit of KV allocation; above 1, attention gathers keys a "
+                             "page at a time.")
     context_length: int | None = flag(None, "Longest prompt + output (default: the model's max_position_embeddings).")
-    disable_overlap_schedule: bool = flag(False, "Finish each batch before scheduling the next (no CPU/device overlap).")
+    disable_overlap_schedule: bool = flag(False, "Finish each batch before scheduling the next (no CPU/device "
+                                                 "overlap).")
     api_key: str | None = flag(None, "Require `Authorization: Bearer <key>` on every API request.")
     log_level: str = flag("info", "Logging level.", ["debug", "info", "warning", "error"])
-    trace_file: str | None = flag(None, "Write a Chrome trace (open in Perfetto) of scheduling, launch, device and processing spans.")
+    trace_file: str | None = flag(None, "Write a Chrome trace (open in Perfetto) of scheduling, launch, device "
+                                        "and processing spans.")
     random_seed: int = flag(0, "Seed of the rank's sampling generator for requests without a seed.")
-    speculative_algorithm: str = flag("auto", "Speculative decoding: auto = eagle with the embedded head when serving the "
-                                              "embedded model (or when a draft path is given), else none. "
+    speculative_algorithm: str = flag("auto", "Speculative decoding: auto = eagle with the embedded head when "
+                                              "serving the embedded model (or when a draft path is given), else none. "
                                               "SGLang's upper-case names are accepted.", SPEC_CHOICES)
     speculative_draft_model_path: str | None = flag(None, "Draft model folder (EAGLE / EAGLE-3 head, or a small LM for "
                                                           "standalone); default for the embedded model: its EAGLE / "
@@ -145,8 +154,21 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Refuse contradictory flags with a message naming them."""
+        self.validate_speculation()
+        if (self.speculative_disable_by_batch_size or 0) < 0:
+            raise ValueError("--speculative-disable-by-batch-size must be >= 0")
+        if self.max_request_bytes < 1024 or self.max_rank_restarts < 0 or not self.shutdown_timeout >= 0:
+            raise ValueError("--max-request-bytes must be at least 1024, --max-rank-restarts and "
+                             "--shutdown-timeout at least 0")
+        if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,
+               self.max_prefill_tokens, self.dp_size) < 1:
+            raise ValueError("--page-size, --max-running-requests, --chunked-prefill-size, --max-prefill-tokens, "
+                             "--stream-interval and --dp-size must be positive")
+
+    def validate_speculation(self) -> None:
         if self.speculative_eagle_topk != 1:
-            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only chain drafts (1) are supported")
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only chain drafts (1) "
+                             f"are supported")
         if self.spec_algorithm != "none" and self.num_steps < 1:
             raise ValueError("--speculative-num-steps must be at least 1 (--speculative-num-draft-tokens at least 2)")
         if self.num_steps and self.speculative_num_draft_tokens not in (None, self.num_steps + 1):
@@ -157,15 +179,6 @@ class ServerArgs:
         if self.token_map_given and self.spec_algorithm not in ("eagle", "eagle3"):
             raise ValueError(f"--speculative-token-map applies to EAGLE / EAGLE-3 heads, not to "
                              f"--speculative-algorithm {self.spec_algorithm}")
-        if (self.speculative_disable_by_batch_size or 0) < 0:
-            raise ValueError("--speculative-disable-by-batch-size must be >= 0")
-        if self.max_request_bytes < 1024 or self.max_rank_restarts < 0 or not self.shutdown_timeout >= 0:
-            raise ValueError("--max-request-bytes must be at least 1024, --max-rank-restarts and "
-                             "--shutdown-timeout at least 0")
-        if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,
-               self.max_prefill_tokens, self.dp_size) < 1:
-            raise ValueError("--page-size, --max-running-requests, --chunked-prefill-size, --max-prefill-tokens, "
-                             "--stream-interval and --dp-size must be positive")
 
     @property
     def enable_overlap(self) -> bool:

@@ -116,7 +116,7 @@ class EngineCore:
         slots = pool.slots(req.pages, 0, len(req.pages) * pool.page_size)
         try:
             await self.runner.device.launch(lambda: self.runner.import_state(req.row, slots, state, req.all_ids))
-        except Exception as exc:       # noqa: BLE001 - a malformed state fails this request alone
+        except Exception as exc:       # a malformed state fails this request alone
             self.scheduler.fail(req, f"import failed: {exc}")
             return f"import failed: {exc}"
         return None
@@ -142,7 +142,7 @@ class EngineCore:
         """The batch on the device stream; an error while preparing it fails it like a device error."""
         try:
             return self.runner.launch(batch)
-        except Exception as exc:       # noqa: BLE001 - delivered to whoever awaits the launch
+        except Exception as exc:       # delivered to whoever awaits the launch
             return Launched.failed(exc)
 
     # ---- finish ----------------------------------------------------------------------
@@ -150,7 +150,7 @@ class EngineCore:
     async def finish(self, flight: InFlight, behind: InFlight | None) -> list[Request]:
         try:
             result = await flight.launched
-        except Exception as exc:       # noqa: BLE001 - the step failed: isolate it
+        except Exception as exc:       # the step failed: isolate it
             return self.step_failed(flight, exc, behind)
         finally:
             self.account_device(flight)
@@ -161,7 +161,7 @@ class EngineCore:
         try:
             output = result.output()
             news = self.scheduler.process(flight.batch, output)
-        except Exception as exc:       # noqa: BLE001 - a bug on the CPU side: the batch fails alone
+        except Exception as exc:       # a bug on the CPU side: the batch fails alone
             return self.step_failed(flight, exc, behind)
         self.consecutive_failures = 0
         for observe in self.observers:
@@ -183,7 +183,8 @@ class EngineCore:
         deferred = isinstance(exc, DeferredWorkFailed)          # the previous step's deferred part failed
         culprit = self.last_awaited if deferred else flight
         self.last_awaited = flight
-        news = [] if culprit is None or culprit.void else [seq.req for seq in culprit.batch.seqs if not seq.req.finished]
+        news = [] if culprit is None or culprit.void else \
+            [seq.req for seq in culprit.batch.seqs if not seq.req.finished]
         if not news and not deferred:       # planned on a failed step, or voided: no one is waiting for it
             log.warning("step %d failed too, with no request left in it: %r", flight.batch.step, exc)
             return []

@@ -6,6 +6,7 @@ runs on the rank's stream; the CPU only builds small host tensors.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -96,7 +97,7 @@ class ModelRunner:
         q_lens = [seq.q_len for seq in batch.seqs]
         kv_lens = [seq.start + seq.q_len for seq in batch.seqs]
         sample_rows, future_ids, noise_keys = sampling_rows(batch)
-        long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+        long = long_tensor
         return StepInputs(
             input_ids=long(batch.input_ids), table_rows=long(batch.table_rows), table_pos=long(batch.table_pos),
             table_slots=long(batch.table_slots), q_lens=long(q_lens), kv_lens=long(kv_lens),
@@ -111,17 +112,22 @@ class ModelRunner:
         plan = batch.spec
         if plan is None:
             return None
-        return SpecInputs(decode=plan.decode, chain=plan.chain, draft_lag=torch.tensor(plan.draft_lag, dtype=torch.long),
-                          draft_next=torch.tensor(plan.draft_next, dtype=torch.long), draft_skip=plan.draft_skip)
+        return SpecInputs(decode=plan.decode, chain=plan.chain, draft_lag=long_tensor(plan.draft_lag),
+                          draft_next=long_tensor(plan.draft_next), draft_skip=plan.draft_skip)
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         inputs = self.prepare(batch)
-        work = (lambda: self.speculative_step(inputs)) if inputs.spec_decode else (lambda: self.forward_and_sample(inputs))
+        step = self.speculative_step if inputs.spec_decode else self.forward_and_sample
+        work = functools.partial(step, inputs)
         if self.faults:
             work = self.faults.wrap(batch, work)
         return self.device.launch(work)
 
     # ---- on the stream -------------------------------------------------------------
+
+    def put(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor of the step's inputs on the device, without waiting."""
+        return tensor.to(self.device.torch_device, non_blocking=True)
 
     def update_table(self, inp: StepInputs) -> None:
         dev = self.device.torch_device
@@ -129,8 +135,7 @@ class ModelRunner:
             self.req_to_slot[inp.table_rows.to(dev), inp.table_pos.to(dev)] = inp.table_slots.to(dev)
 
     def forward_and_sample(self, inp: StepInputs) -> StepResult | Deferred:
-        dev = self.device.torch_device
-        put = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
+        dev, put = self.device.torch_device, self.put
         self.update_table(inp)
         input_ids = self.futures.resolve(put(inp.input_ids))
         groups = inp.groups and [(put(seqs), max_q, max_k) for seqs, max_q, max_k in inp.groups]
@@ -153,7 +158,7 @@ class ModelRunner:
     def speculative_step(self, inp: StepInputs) -> StepResult:
         self.update_table(inp)
         result = self.worker.decode_step(inp)
-        put = lambda t: t.to(self.device.torch_device, non_blocking=True)  # noqa: E731
+        put = self.put
         # each request's future: its last emitted token (the input of a plain decode that follows)
         self.futures.store(put(inp.future_ids), self.worker.bonus[put(inp.rows)])
         return result
@@ -201,6 +206,10 @@ class ModelRunner:
         """(phase, device seconds) of a finished speculative step, from the marks it recorded."""
         marks, device = result.marks, self.device
         return [(name, device.seconds_between(prev, cur)) for (_, prev), (name, cur) in zip(marks, marks[1:])]
+
+
+def long_tensor(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
 
 
 def read_kv(kv: KVCache, index: torch.Tensor) -> list[torch.Tensor]:

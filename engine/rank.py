@@ -194,7 +194,8 @@ class Rank:
         if not self.runner.worker:
             return ""
         off = self.scheduler.policy.off_steps
-        return f", accept length {self.accept_length():.2f}" + (f", speculation off for {off} steps (load)" if off else "")
+        text = f", accept length {self.accept_length():.2f}"
+        return text + (f", speculation off for {off} steps (load)" if off else "")
 
     def accept_length(self) -> float:
         steps = sum(self.accept_hist)

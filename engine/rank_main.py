@@ -46,8 +46,8 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     config = AutoConfig.from_pretrained(args.model_path)
     worker = Rank(args, rank, device, channel, eos_token_ids(args.model_path, config))
     # SIGTERM (a process-group kill, say): the front drives the shutdown; stop anyway if it never does
-    asyncio.get_running_loop().add_signal_handler(
-        signal.SIGTERM, lambda: asyncio.get_running_loop().call_later(args.shutdown_timeout + TERM_GRACE_S, worker.stop))
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: loop.call_later(args.shutdown_timeout + TERM_GRACE_S, worker.stop))
     await channel.send(RankReady(rank=rank, kv_total=worker.pool.total_slots,
                                  context_length=worker.runner.context_length,
                                  description=f"{Path(args.model_path).name} on {device.torch_device}"))

@@ -77,7 +77,8 @@ def seeded_noise(shape: tuple[int, ...], sb: SamplingBatch, generator: torch.Gen
                  device: torch.device, kind: str = "exponential", salt: int = 0) -> torch.Tensor:
     """Exponential or uniform noise [N, ...]: rows of seeded requests come from a generator
     seeded by (seed, position, salt); the others from the rank's generator."""
-    draw = (lambda t, g: t.exponential_(generator=g)) if kind == "exponential" else (lambda t, g: t.uniform_(generator=g))
+    def draw(t: torch.Tensor, g: torch.Generator | None) -> torch.Tensor:
+        return t.exponential_(generator=g) if kind == "exponential" else t.uniform_(generator=g)
     noise = draw(torch.empty(shape, device=device), generator)
     for row, seed in enumerate(sb.seeds):
         if seed is not None:
@@ -101,7 +102,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     return torch.where(sb.greedy, greedy_ids, sampled)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities of the model's (unfiltered) distribution: chosen tokens [N], and the
     top `top` (values [N, top], ids [N, top])."""
     logp = torch.log_softmax(logits, dim=-1)

@@ -78,11 +78,16 @@ class StepResult:
         return out
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy that does not wait for the device (read it once the step's launch resolved)."""
+    return tensor.to("cpu", non_blocking=True)
+
+
 def step_result(emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch,
                 **extra: Any) -> StepResult:
     """Host copies of a step's outputs (on the stream): emitted [B, R] tokens of which the first
     n+1 count, and, when asked, logprobs of the model's distribution at each of the R rows."""
-    host = lambda t: t.to("cpu", non_blocking=True)  # noqa: E731
+    host = to_host
     result = StepResult(emitted=host(emitted), accepted=host(n), **extra)
     if sb.max_logprobs is not None:
         batch, rows = emitted.shape

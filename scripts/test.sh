@@ -3,6 +3,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh || exit 1
+.venv/bin/ruff check . || { echo "error: ruff check failed (configuration in pyproject.toml)" >&2; exit 1; }
 PYTHONPATH=. .venv/bin/python -m pytest "$@"
 code=$?
 if [ "$code" -eq 5 ]; then

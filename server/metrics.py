@@ -33,8 +33,11 @@ class RankStatsCollector(Collector):
 
     def collect(self):
         stats = list(self.engine.rank_stats())
-        total = lambda field: float(sum(getattr(s, field) for s in stats))   # noqa: E731
-        mean = lambda field: total(field) / len(stats) if stats else 0.0      # noqa: E731
+        def total(field: str) -> float:
+            return float(sum(getattr(s, field) for s in stats))
+
+        def mean(field: str) -> float:
+            return total(field) / len(stats) if stats else 0.0
         gauges = [
             ("tandem_num_running_reqs", "Requests decoding now.", total("running")),
             ("tandem_num_waiting_reqs", "Requests waiting for admission.", total("waiting")),
@@ -56,7 +59,8 @@ class RankStatsCollector(Collector):
         yield GaugeMetricFamily("tandem_rank_resident_memory_bytes", "Resident memory of the rank processes.",
                                 value=total("resident_memory_bytes"))
         yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without speculation because as many "
-                                  "requests decoded as --speculative-disable-by-batch-size.", value=total("spec_off_steps"))
+                                  "requests decoded as --speculative-disable-by-batch-size.",
+                                  value=total("spec_off_steps"))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield from spec_metrics(stats)

@@ -90,7 +90,7 @@ def render_chat(tokenizer, conversation: list[dict]) -> list[int]:
     """The chat template's text, tokenized (runs in the tokenize pool)."""
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:     # noqa: BLE001 - a template refusing the conversation is the user's input
+    except Exception as exc:     # a template refusing the conversation is the user's input
         raise bad_request(f"The messages do not fit the model's chat template: {exc}", param="messages",
                           code="invalid_value") from None
     return tokenizer(text, add_special_tokens=False).input_ids

@@ -10,6 +10,7 @@ front give up (`gave_up` is set): the server then exits non-zero so that its own
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -120,26 +121,30 @@ class RankEngineClient(EngineClient):
         link.tasks = [asyncio.create_task(self.read_rank(link)), asyncio.create_task(self.watch_process(link))]
 
     async def close(self) -> None:
+        """Ask every rank to stop (each finishes its step in flight and flushes its trace), then
+        make sure its process is gone."""
         self.closing = True
         for task in list(self.supervisors):
             task.cancel()
         for link in self.links:
             if link.alive and link.channel:
-                try:
+                with contextlib.suppress(ConnectionError):
                     await link.channel.send(Shutdown())
-                except ConnectionError:
-                    pass
         for link in self.links:
-            if link.process is not None:
-                await asyncio.to_thread(link.process.join, 10)
-                if link.process.is_alive():
-                    log.warning("rank %d did not stop in time; killing it", link.rank)
-                    link.process.kill()
-                    await asyncio.to_thread(link.process.join, 5)
+            await self.reap(link)
             for task in link.tasks:
                 task.cancel()
         if self.server is not None:
             self.server.close()
+
+    async def reap(self, link: RankLink) -> None:
+        if link.process is None:
+            return
+        await asyncio.to_thread(link.process.join, 10)
+        if link.process.is_alive():
+            log.warning("rank %d did not stop in time; killing it", link.rank)
+            link.process.kill()
+            await asyncio.to_thread(link.process.join, 5)
 
     # ---- per request ---------------------------------------------------------------
 

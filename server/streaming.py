@@ -195,6 +195,9 @@ async def stream_sequence(ctx: FrontContext, spec: SequenceSpec, arrival: float)
         raise EngineDead(f"request {spec.rid} ended without a finish reason")
 
 
+_DONE = object()      # a pumped stream's end, in merge_sequences' queue
+
+
 async def merge_sequences(streams: list[AsyncIterator[SeqUpdate]]) -> AsyncIterator[SeqUpdate]:
     """Interleave several sequence streams as their updates arrive; closing this closes them all."""
     if len(streams) == 1:
@@ -203,23 +206,12 @@ async def merge_sequences(streams: list[AsyncIterator[SeqUpdate]]) -> AsyncItera
                 yield update
         return
     queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(stream: AsyncIterator[SeqUpdate]) -> None:
-        try:
-            async with aclosing(stream):
-                async for update in stream:
-                    queue.put_nowait(update)
-            queue.put_nowait(done)
-        except Exception as exc:    # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait(exc)
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    tasks = [asyncio.create_task(pump(s, queue)) for s in streams]
     try:
         remaining = len(tasks)
         while remaining:
             item = await queue.get()
-            if item is done:
+            if item is _DONE:
                 remaining -= 1
             elif isinstance(item, Exception):
                 raise item
@@ -229,6 +221,17 @@ async def merge_sequences(streams: list[AsyncIterator[SeqUpdate]]) -> AsyncItera
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def pump(stream: AsyncIterator[SeqUpdate], queue: asyncio.Queue) -> None:
+    """Move a stream's updates (then _DONE, or the exception it ended with) into the queue."""
+    try:
+        async with aclosing(stream):
+            async for update in stream:
+                queue.put_nowait(update)
+        queue.put_nowait(_DONE)
+    except Exception as exc:    # handed to the consumer, which raises it
+        queue.put_nowait(exc)
 
 
 @dataclass
@@ -319,7 +322,7 @@ async def serve_sse(request: web.Request, events: AsyncIterator[dict], tracker: 
                 await write_or_gone(request, response.write(sse_event(event)))
         except ClientGone:
             raise
-        except Exception as exc:    # noqa: BLE001 - the headers are out: report it in the stream
+        except Exception as exc:    # the headers are out: report it in the stream
             tracker.finish(outcome_of(exc))
             await write_or_gone(request, response.write(sse_event(stream_error(request, exc).body())))
         await write_or_gone(request, response.write(b"data: [DONE]\n\n"))

@@ -98,7 +98,8 @@ class TokenHistory:
 
 def expand(sb: SamplingBatch, times: int) -> SamplingBatch:
     """Repeat every row's sampling parameters `times` times (one per verify row)."""
-    rep = lambda t: t.repeat_interleave(times, dim=0)  # noqa: E731
+    def rep(values: torch.Tensor) -> torch.Tensor:
+        return values.repeat_interleave(times, dim=0)
     return dataclasses.replace(sb, temperature=rep(sb.temperature), top_k=rep(sb.top_k), top_p=rep(sb.top_p),
                                min_p=rep(sb.min_p), greedy=rep(sb.greedy),
                                seeds=[s for s in sb.seeds for _ in range(times)],

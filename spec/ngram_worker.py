@@ -80,7 +80,8 @@ class NgramWorker(SpecWorker):
             widths = torch.where(inp.sampling.greedy.to(dev), worth, k)
             drafts = drafts[:, :int(widths.max())]
         vocab = self.target.vocab_size
-        one_hot = lambda: torch.zeros(batch, drafts.shape[1], vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)  # noqa: E731
+        def one_hot() -> torch.Tensor:          # q of a deterministic proposal
+            return torch.zeros(batch, drafts.shape[1], vocab, device=dev).scatter_(-1, drafts[..., None], 1.0)
         return Chain(drafts, one_hot, widths)
 
     def extend(self, inp, rows: torch.Tensor, L: torch.Tensor, v: Verified, marks: list) -> None:

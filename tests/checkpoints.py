@@ -42,7 +42,8 @@ def random_head(folder: Path, target: Path, eagle3: bool = False, draft_vocab: i
                f"{prefix}.self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
                f"{prefix}.self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
                f"{prefix}.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-               f"{prefix}.mlp.gate_proj.weight": rand(inter, hidden), f"{prefix}.mlp.up_proj.weight": rand(inter, hidden),
+               f"{prefix}.mlp.gate_proj.weight": rand(inter, hidden),
+               f"{prefix}.mlp.up_proj.weight": rand(inter, hidden),
                f"{prefix}.mlp.down_proj.weight": rand(hidden, inter),
                f"{prefix}.post_attention_layernorm.weight": torch.ones(hidden)}
     head_config = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,

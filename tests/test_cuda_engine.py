@@ -21,7 +21,8 @@ async def test_cuda_overlapped_eagle_equals_plain_greedy():
     base = ["--model-path", str(DENSE), "--device", "cuda", "--dtype", "float32", "--max-total-tokens", "16384"]
     async with engine(base + ["--speculative-algorithm", "none"]) as client:
         plain = [t for t, _ in await run_batch(client, prompts, params)]
-    eagle = ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(REPO / "models/tandem-dense-eagle")]
+    eagle = ["--speculative-algorithm", "eagle",
+             "--speculative-draft-model-path", str(REPO / "models/tandem-dense-eagle")]
     for overlap in ([], ["--disable-overlap-schedule"]):
         async with engine(base + eagle + overlap) as client:
             assert [t for t, _ in await run_batch(client, prompts, params)] == plain

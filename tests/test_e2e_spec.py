@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
 SPEC_TOKENS = 5              # the most tokens one step emits: EAGLE's default 4 drafts + 1 (standalone: 3 + 1)
 SPEC = {
-    "eagle": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(REPO / "models/tandem-dense-eagle")],
+    "eagle": ["--speculative-algorithm", "eagle",
+              "--speculative-draft-model-path", str(REPO / "models/tandem-dense-eagle")],
     "eagle3": ["--speculative-algorithm", "eagle3", "--speculative-draft-model-path",
                str(REPO / "models/tandem-dense-eagle3")],
     # the embedded 2-layer draft, drafting at every batch size (its default turns off from 2)
@@ -24,7 +25,8 @@ SPEC = {
     "ngram": ["--speculative-algorithm", "ngram"],
 }
 MOE_SPEC = {
-    "eagle": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(REPO / "models/tandem-moe-eagle")],
+    "eagle": ["--speculative-algorithm", "eagle",
+              "--speculative-draft-model-path", str(REPO / "models/tandem-moe-eagle")],
     "ngram": ["--speculative-algorithm", "ngram"],
 }
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 import torch
@@ -202,7 +203,7 @@ async def test_an_idle_step_makes_the_same_model_calls_with_no_rows(case, prompt
         assert steps[1][0] == (runner.worker is not None)
         for decode, real in ((False, prefill_calls), (True, decode_calls)):
             log.calls.clear()
-            await engine.device.launch(lambda: runner.idle_step(decode))
+            await engine.device.launch(functools.partial(runner.idle_step, decode))
             assert log.names() == real
             assert {rows for name, rows in log.calls if rows >= 0} == {0}
     finally:

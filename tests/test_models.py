@@ -84,7 +84,7 @@ def run_schedule(forward, kv_layout, schedule, sequences, page_size: int = 1):
             fed[seq] += count
         ids, batch = runner.step(chunks)
         rows = forward(ids, batch, spans)
-        for (seq, positions), out in zip(spans, rows.split([len(p) for _, p in spans])):
+        for (seq, _positions), out in zip(spans, rows.split([len(p) for _, p in spans])):
             outputs[seq].extend(out)
     return [torch.stack(rows) for rows in outputs]
 

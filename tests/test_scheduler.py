@@ -61,7 +61,8 @@ class FakeRunner:
 
     def launch(self, batch):
         future = asyncio.get_running_loop().create_future()
-        future.set_result(SimpleNamespace(output=lambda out=self.device.run(batch): out))
+        out = self.device.run(batch)
+        future.set_result(SimpleNamespace(output=lambda: out))
         return Launched(future)
 
 
@@ -92,7 +93,7 @@ def test_outputs_are_exact_and_everything_is_freed(overlap, page_size):
         sched.add(f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randrange(1, 30), ignore_eos=True))
         reqs[f"r{i}"] = (sched.requests[f"r{i}"], prompt)
     drive(sched, overlap)
-    for rid, (req, prompt) in reqs.items():
+    for req, prompt in reqs.values():
         assert req.finished and req.finish_reason == "length"
         assert req.output_ids == expected(prompt, req.params.max_new_tokens)
     assert sched.pool.used_slots == 0 and len(sched.pool.free_rows) == 16

@@ -100,7 +100,8 @@ def test_speculative_sampling_matches_plain_sampling(tiny_models, tmp_path, top_
 @pytest.mark.slow
 def test_seeded_speculative_sampling_is_reproducible(tiny_models):
     target, head = tiny_models
-    flags = ["--model-path", str(target), "--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(head)]
+    flags = ["--model-path", str(target), "--speculative-algorithm", "eagle",
+             "--speculative-draft-model-path", str(head)]
     params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
     first = asyncio.run(sample_tokens(flags, 16, params))
     second = asyncio.run(sample_tokens(flags, 16, params))

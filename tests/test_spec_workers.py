@@ -96,7 +96,8 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
 
 def generate_in_process(flags: list[str], prompts: list[list[int]], overlap: bool = True,
                         params: list[SamplingParams] | None = None, max_steps: int = 2000,
-                        widths: list[tuple[int, int]] | None = None, verified_tokens: list[tuple[int, int]] | None = None,
+                        widths: list[tuple[int, int]] | None = None,
+                        verified_tokens: list[tuple[int, int]] | None = None,
                         kinds: list[str] | None = None):
     """Run the rank's engine core (engine/core.py: with overlap, batch N+1 is scheduled and
     launched before batch N is processed) and observe its steps through its hook. Returns the
@@ -252,7 +253,8 @@ def test_load_arriving_while_drafting_switches_to_plain_decodes(models, in_proce
     decode as without speculation, in batches with the next prompts. Target as draft: every draft
     accepted (the draft catches up on the plain decodes it skipped), output lossless."""
     prompts = mixed_prompts()
-    params = [SamplingParams(max_new_tokens=4 + 5 * (i % 3), temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    params = [SamplingParams(max_new_tokens=4 + 5 * (i % 3), temperature=0, ignore_eos=True)
+              for i in range(len(prompts))]
     flags = spec_flags(models, "dense", "standalone", draft="dense") + [
         "--speculative-disable-by-batch-size", "2", "--max-running-requests", "2"]
     kinds: list[str] = []

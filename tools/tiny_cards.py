@@ -103,7 +103,8 @@ Held-out loss {st.get('heldout_loss')} nats/token, **perplexity {st.get('heldout
 
 ```
 {REPRO}            # everything
-python tools/train_tiny.py --out models --stages {name.split('-')[1]}   # only this model (needs the tokenizer stage's cache)
+# only this model (needs the tokenizer stage's cache)
+python tools/train_tiny.py --out models --stages {name.split('-')[1]}
 ```
 This checkpoint was produced by `{st.get('command', REPRO)}`.
 Time-budgeted stages stop at `--minutes-*` or `--steps-*`, whichever comes first, so step counts

@@ -17,7 +17,7 @@ the CPU split the batch, see attention_groups):
   out_rows       [n]         which of the T tokens those are (None: all T, in order)
 
 Padding every sequence to the batch's widest would make a decode next to a 200-token prompt
-chunk attend like 200 queries (measured: a mixed step 3.4x the cost of its two halves).
+chunk attend like 200 queries (bench/mixed_batch.py measures both ways).
 
 Every tensor here is built with torch ops from four inputs (q_lens, kv_lens, the
 request rows and the request->slot table), so the same builder runs on CPU data
@@ -191,7 +191,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
     Gathers use index_select / index_copy_ on flattened indices: on the CPU they copy whole
     rows, several times faster than advanced indexing (the gathers dominate large batches). With
     pages, whole pages are copied: a slot-by-slot gather of requests that grew side by side reads
-    rows a batch apart, and measured 10x slower than the same keys page by page."""
+    rows a batch apart, much slower than the same keys page by page (README "Performance")."""
     k_cache, v_cache = batch.kv.k[layer_id], batch.kv.v[layer_id]
     k_cache.index_copy_(0, batch.write_slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, batch.write_slots, v.to(v_cache.dtype))
@@ -220,7 +220,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: 
     seqs, width = part.query_rows.shape
     keys = gather(k_cache, part, page_size).transpose(1, 2)          # [B, Hkv, K, D]
     values = gather(v_cache, part, page_size).transpose(1, 2)
-    queries = q.index_select(0, part.query_rows.reshape(-1)).view(seqs, width, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, D]
+    queries = q.index_select(0, part.query_rows.reshape(-1)).view(seqs, width, *q.shape[1:])
+    queries = queries.transpose(1, 2)                                 # [B, H, Q, D]
     if keys.dtype != queries.dtype:
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask, scale=scale,

@@ -193,15 +193,7 @@ def check_names_and_shapes(folder: Path, checkpoint: "Checkpoint", names: dict, 
             if shape != tuple(want.shape):
                 problems.append(f"tensor {source!r} has shape {list(shape)}, model expects {list(want.shape)}")
         elif isinstance(source, dict):
-            parts = expert_parts(name, want)
-            for expert in range(want.shape[0]):
-                for proj, part_shape in parts.items():
-                    part = source.get((expert, proj))
-                    if part is None:
-                        missing.append(f"{name.rsplit('.', 1)[0]}.{expert}.{proj}.weight")
-                    elif checkpoint.shape(part) != part_shape:
-                        problems.append(f"tensor {part!r} has shape {list(checkpoint.shape(part))}, "
-                                        f"model expects {list(part_shape)}")
+            check_experts(checkpoint, name, want, source, problems, missing)
             unexpected += [original for (expert, _), original in source.items() if expert >= want.shape[0]]
     if missing:
         problems.append("missing tensors: " + listing([n if n.startswith("lm_head") else prefix + n for n in missing]))
@@ -209,6 +201,20 @@ def check_names_and_shapes(folder: Path, checkpoint: "Checkpoint", names: dict, 
         problems.append("unexpected tensors: " + listing(unexpected))
     if problems:
         raise CheckpointError(f"checkpoint {folder} does not fit the model: " + "; ".join(problems))
+
+
+def check_experts(checkpoint: "Checkpoint", name: str, want: torch.Tensor, source: dict,
+                  problems: list[str], missing: list[str]) -> None:
+    """A stacked expert tensor: every expert's projections present, with the shape each must have."""
+    parts = expert_parts(name, want)
+    for expert in range(want.shape[0]):
+        for proj, part_shape in parts.items():
+            part = source.get((expert, proj))
+            if part is None:
+                missing.append(f"{name.rsplit('.', 1)[0]}.{expert}.{proj}.weight")
+            elif checkpoint.shape(part) != part_shape:
+                problems.append(f"tensor {part!r} has shape {list(checkpoint.shape(part))}, "
+                                f"model expects {list(part_shape)}")
 
 
 def listing(names: list[str]) -> str:

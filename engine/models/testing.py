@@ -43,7 +43,8 @@ class PagedRunner:
         for row, q_len in zip(rows, q_lens):
             self.lengths[row] += q_len
         kv_lens = [self.lengths[row] for row in rows]
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        def as_long(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
         batch = build_attention_batch(as_long(q_lens), as_long(kv_lens), as_long(rows), self.req_to_slot,
                                       max_q=max(q_lens), max_k=max(kv_lens), kv=self.kv,
                                       groups=attention_groups(q_lens, kv_lens, self.device))
