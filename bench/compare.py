@@ -2,6 +2,7 @@
 benchmark on each in alternating rounds, and print medians with ratios to the first.
 
     python bench/compare.py --config "overlap=" --config "no-overlap=--disable-overlap-schedule"
+    python bench/compare.py --checkout HEAD~1 --config "none=--speculative-algorithm none"  # this tree against a commit
 """
 from __future__ import annotations
 
@@ -18,30 +19,70 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import serving  # noqa: E402
+from bench.worktree import (WORKING_TREE, CheckoutFailed, Tree, default_checkout_dir, mirror_files,  # noqa: E402
+                            open_worktree, remove_worktree, resolve_revision)
 
 REPO = serving.REPO
+MODELS = REPO / "models"
 HIDDEN_CPU_GAUGE = "tandem_hidden_cpu_fraction"
 PHASE_COUNTER = "tandem_spec_phase_seconds_total"
 DRAFT_PHASES = ("draft", "extend")            # device time the draft model costs a speculative step
 
 
-class ServerFailed(RuntimeError):
-    """A server exited or never answered /health."""
+# ---- source trees: the working tree, and a worktree of --checkout ------------------------
+
+@contextmanager
+def checkout(args) -> Iterator[Tree | None]:
+    """The worktree of --checkout while the servers run (None without it); removed after unless --keep-checkout."""
+    if not args.checkout:
+        yield None
+        return
+    where = Path(args.checkout_dir or default_checkout_dir(args.short))
+    reused = open_worktree(args.commit, where)
+    try:
+        # The same model files on both sides, so that only code differs (unless --checkout-models own).
+        replaced = mirror_files(MODELS, where / "models") if args.checkout_models == "working" else []
+        tree = Tree(where.resolve(), args.commit, args.short, tuple(replaced))
+        models = "its own" if args.checkout_models == "own" else f"the working tree's ({len(replaced)} files differed)"
+        print(f"{'reusing' if reused else 'made'} {tree.describe()} ({args.checkout}); models/: {models}", flush=True)
+        yield tree
+    finally:
+        if not args.keep_checkout:
+            remove_worktree(where)
+
+
+# ---- server processes ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server to start: a config's flags, run from one tree."""
+    config: str
+    flags: tuple[str, ...]
+    tree: Tree
+
+    @property
+    def name(self) -> str:
+        return self.config + self.tree.suffix
 
 
 @dataclass
 class Server:
-    name: str
-    flags: list[str]
+    spec: ServerSpec
     port: int
     process: subprocess.Popen
     log_path: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     @property
     def url(self) -> str:
@@ -54,7 +95,10 @@ class Server:
             return "(no log)"
 
 
-# ---- server processes ------------------------------------------------------------
+def plan_servers(configs: list[tuple[str, list[str]]], trees: list[Tree]) -> list[ServerSpec]:
+    """Every config once per tree, each config's servers side by side: [a@REV, a, b@REV, b, ...]."""
+    return [ServerSpec(name, tuple(flags), tree) for name, flags in configs for tree in trees]
+
 
 def parse_config(text: str) -> tuple[str, list[str]]:
     """"NAME=FLAGS" -> (NAME, [flags])."""
@@ -70,41 +114,73 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, name: str, flags: list[str], common: list[str], log_dir: Path) -> Server:
+def server_command(args, spec: ServerSpec, port: int, common: list[str]) -> list[str]:
+    """The tree's own server script; the model as the working tree names it, placed in the tree when it is one
+    of models/ (the old revision then recognises its embedded model and finds its default draft heads)."""
+    tree = spec.tree
+    return [sys.executable, tree.place(args.server_script), "--port", str(port),
+            "--model-path", tree.place(args.model_path, within=MODELS), *common, *spec.flags]
+
+
+def server_env(tree: Tree) -> dict[str, str]:
+    # The script's folder comes first on sys.path already; PYTHONPATH makes the tree's packages win in any
+    # process it starts too, whatever PYTHONPATH we were given.
+    inherited = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree.root), *([inherited] if inherited else [])])}
+
+
+def start_server(args, spec: ServerSpec, common: list[str], log_dir: Path) -> Server:
     port = free_port()
-    command = [sys.executable, args.server_script, "--port", str(port), "--model-path", args.model_path,
-               *common, *flags]
-    log_path = log_dir / f"{name}.log"
+    command = server_command(args, spec, port, common)
+    env = server_env(spec.tree)
+    log_path = log_dir / f"{spec.name}.log"
     with open(log_path, "w") as log:
+        log.write(f"# {spec.name}: {spec.tree.describe()}\n# cwd {spec.tree.root}, PYTHONPATH {env['PYTHONPATH']}\n")
         log.write(" ".join(shlex.quote(c) for c in command) + "\n")
         log.flush()
         # A session of its own: Ctrl-C reaches only us, and we stop the server's whole group.
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=spec.tree.root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
-    return Server(name, flags, port, process, log_path)
+    return Server(spec, port, process, log_path)
 
 
-def wait_healthy(servers: list[Server], timeout: float) -> None:
-    """Poll GET /health on every server until each answers 200."""
+def answers_health(server: Server) -> bool:
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def wait_healthy(servers: list[Server], timeout: float) -> dict[str, str]:
+    """Poll GET /health on every server until each answers 200; those that exit or time out instead, with why."""
     deadline = time.monotonic() + timeout
-    waiting = list(servers)
+    waiting, failed = list(servers), {}
     while waiting:
         for server in list(waiting):
             if server.process.poll() is not None:
-                raise ServerFailed(f"server {server.name!r} exited with status {server.process.returncode}; "
-                                   f"log {server.log_path}:\n{server.log_tail()}")
-            try:
-                with urllib.request.urlopen(server.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        waiting.remove(server)
-            except OSError:
-                pass
+                failed[server.name] = f"exited with status {server.process.returncode} before answering /health"
+                waiting.remove(server)
+            elif answers_health(server):
+                waiting.remove(server)
         if waiting and time.monotonic() > deadline:
-            names = ", ".join(repr(s.name) for s in waiting)
-            raise ServerFailed(f"server {names} not healthy after {timeout:g} s; "
-                               f"log {waiting[0].log_path}:\n{waiting[0].log_tail()}")
+            failed.update({s.name: f"not healthy after {timeout:g} s" for s in waiting})
+            break
         if waiting:
             time.sleep(0.5)
+    return {s.name: explain_start_failure(s, failed[s.name]) for s in servers if s.name in failed}
+
+
+def explain_start_failure(server: Server, what: str) -> str:
+    """Show the log's tail now; the one line kept for the summary and the JSON."""
+    print(f"error: server {server.name!r} {what}; it is left out. Log {server.log_path}:\n{server.log_tail(8)}",
+          file=sys.stderr, flush=True)
+    return f"{what}: {last_line(server.log_tail())} (log {server.log_path})"
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(empty log)"
 
 
 def stop_servers(servers: list[Server], grace: float = 15.0) -> None:
@@ -180,17 +256,24 @@ def run_rounds(args, servers: list[Server]) -> list[dict]:
         order = servers if round_index % 2 == 0 else servers[::-1]
         for server in order:
             for concurrency in args.max_concurrency:
-                phases = scrape(server.url, PHASE_COUNTER)
-                metrics = asyncio.run(serving.run_benchmark(bench_namespace(args, server.url, concurrency), verbose=False))
-                metrics["hidden_cpu_fraction"] = scrape_gauge(server.url, HIDDEN_CPU_GAUGE)
-                metrics["draft_share"] = draft_share(phases, scrape(server.url, PHASE_COUNTER))
+                metrics = run_once(args, server, concurrency)
                 rows[server.name, concurrency]["runs"].append(metrics)
-                print(f"round {round_index + 1}/{args.rounds}  {server.name:<16} concurrency {concurrency:<4} "
-                      f"{metrics['output_throughput']:8.1f} tok/s  decode {fmt(metrics['decode_throughput_per_request'], '.1f')} tok/s/req  TPOT {fmt(metrics['mean_tpot_ms'])} ms  "
-                      f"{metrics['failed']} failed", flush=True)
+                print(f"round {round_index + 1}/{args.rounds}  {server.name:<20} concurrency {concurrency:<4} "
+                      f"{metrics['output_throughput']:8.1f} tok/s  "
+                      f"decode {fmt(metrics['decode_throughput_per_request'], '.1f')} tok/s/req  "
+                      f"TPOT {fmt(metrics['mean_tpot_ms'])} ms  {metrics['failed']} failed", flush=True)
     for row in rows.values():
         row["median"] = medians(row["runs"])
     return list(rows.values())
+
+
+def run_once(args, server: Server, concurrency: int) -> dict:
+    """One benchmark run on one server, with the server's gauges and its draft share over the run."""
+    phases = scrape(server.url, PHASE_COUNTER)
+    metrics = asyncio.run(serving.run_benchmark(bench_namespace(args, server.url, concurrency), verbose=False))
+    metrics["hidden_cpu_fraction"] = scrape_gauge(server.url, HIDDEN_CPU_GAUGE)
+    metrics["draft_share"] = draft_share(phases, scrape(server.url, PHASE_COUNTER))
+    return metrics
 
 
 def medians(runs: list[dict]) -> dict:
@@ -218,11 +301,18 @@ def with_ratio(value, base) -> str:
 COLUMNS = [("output tok/s", "output_throughput"), ("decode tok/s/req", "decode_throughput_per_request"),
            ("mean TPOT ms", "mean_tpot_ms"),
            ("median TPOT ms", "median_tpot_ms"), ("mean TTFT ms", "mean_ttft_ms")]
+AB_COLUMNS = [("output tok/s", "output_throughput"), ("decode tok/s/req", "decode_throughput_per_request"),
+              ("median TTFT ms", "median_ttft_ms"), ("median ITL ms", "median_itl_ms")]
+
+
+def name_width(names: list[str]) -> int:
+    return max([16] + [len(n) + 2 for n in names])
 
 
 def print_table(rows: list[dict], names: list[str], rounds: int) -> None:
     print(f"\nMedians over {rounds} round(s); ratios are to {names[0]!r}.")
-    header = f"{'config':<16}{'conc':>5}" + "".join(f"{t:>20}" for t, _ in COLUMNS)
+    width = name_width(names)
+    header = f"{'config':<{width}}{'conc':>5}" + "".join(f"{t:>20}" for t, _ in COLUMNS)
     header += f"{'accept len':>12}{'draft share':>13}{'hidden CPU':>12}{'failed':>8}"
     print(header)
     print("-" * len(header))
@@ -231,10 +321,53 @@ def print_table(rows: list[dict], names: list[str], rounds: int) -> None:
         base = group[names[0]]
         for name in names:
             m = group[name]
-            line = f"{name:<16}{concurrency:>5}" + "".join(f"{with_ratio(m[k], base[k]):>20}" for _, k in COLUMNS)
+            line = f"{name:<{width}}{concurrency:>5}" + "".join(f"{with_ratio(m[k], base[k]):>20}" for _, k in COLUMNS)
             line += (f"{fmt(m['accept_length']):>12}{fmt(m['draft_share']):>13}{fmt(m['hidden_cpu_fraction']):>12}"
                      f"{m['failed_total']:>8}")
             print(line)
+
+
+# ---- the working tree against --checkout ------------------------------------------------
+
+def ab_ratios(rows: list[dict], configs: list[str], suffix: str) -> list[dict]:
+    """Per config and concurrency, the working tree's medians over those of the `NAME<suffix>` server
+    ({metric: ratio}, None where a server or a value is missing)."""
+    medians_of = {(r["config"], r["max_concurrency"]): r["median"] for r in rows}
+    concurrencies = sorted({c for _, c in medians_of})
+    return [{"config": config, "against": config + suffix, "max_concurrency": concurrency,
+             "ratios": {key: ratio(medians_of.get((config, concurrency)),
+                                   medians_of.get((config + suffix, concurrency)), key) for _, key in AB_COLUMNS}}
+            for config in configs for concurrency in concurrencies]
+
+
+def ratio(new: dict | None, old: dict | None, key: str) -> float | None:
+    if not new or not old or new.get(key) is None or not old.get(key):
+        return None
+    return new[key] / old[key]
+
+
+def ab_cell(new: dict | None, old: dict | None, key: str) -> str:
+    """'old -> new (ratio)' for one metric."""
+    if not new or not old:
+        return "not measured"
+    r = ratio(new, old, key)
+    return f"{fmt(old[key], '.1f')} -> {fmt(new[key], '.1f')} ({fmt(r)}x)" if r is not None else \
+        f"{fmt(old[key], '.1f')} -> {fmt(new[key], '.1f')}"
+
+
+def print_ab_table(rows: list[dict], ab: list[dict], short: str) -> None:
+    medians_of = {(r["config"], r["max_concurrency"]): r["median"] for r in rows}
+    print(f"\nWorking tree against {short}: medians at {short} -> in the working tree (ratio); "
+          "tok/s: higher is faster, ms: lower is faster.")
+    width = name_width([e["config"] for e in ab])
+    header = f"{'config':<{width}}{'conc':>5}" + "".join(f"{t:>28}" for t, _ in AB_COLUMNS)
+    print(header)
+    print("-" * len(header))
+    for entry in sorted(ab, key=lambda e: e["max_concurrency"]):
+        new = medians_of.get((entry["config"], entry["max_concurrency"]))
+        old = medians_of.get((entry["against"], entry["max_concurrency"]))
+        print(f"{entry['config']:<{width}}{entry['max_concurrency']:>5}"
+              + "".join(f"{ab_cell(new, old, key):>28}" for _, key in AB_COLUMNS))
 
 
 # ---- arguments and main --------------------------------------------------------------
@@ -244,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", action="append", type=parse_config, required=True, metavar="NAME=FLAGS",
                         help="A configuration: a name and extra run.py flags (repeat; the first is the reference).")
-    parser.add_argument("--model-path", default=str(REPO / "models" / "tandem-dense"), help="Passed to every server.")
+    parser.add_argument("--model-path", default=str(MODELS / "tandem-dense"), help="Passed to every server.")
     parser.add_argument("--server-args", default="", help="Extra run.py flags for every server.")
     parser.add_argument("--server-script", default=str(REPO / "run.py"), help="The server entry point.")
     parser.add_argument("--health-timeout", type=float, default=300.0, help="Seconds to wait for /health.")
@@ -252,6 +385,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrency", default="1,16", help="Comma-separated concurrencies; each is a run.")
     parser.add_argument("--output-file", default=None, help="Append one JSON line with every run and the medians.")
     parser.add_argument("--log-dir", default=None, help="Server logs (default: a new temporary folder).")
+    ab = parser.add_argument_group("the working tree against a commit")
+    ab.add_argument("--checkout", metavar="REV", default=None,
+                    help="Also run every config from a git worktree of REV (commit, tag or branch) as NAME@<short "
+                         "hash>, in the same rounds, and report the working tree's ratios to it.")
+    ab.add_argument("--checkout-dir", default=None,
+                    help="Where the worktree goes (default: <temp dir>/tandem-checkout-<short hash>); reused when "
+                         "it already is an unedited worktree at REV.")
+    ab.add_argument("--keep-checkout", action="store_true", help="Leave the worktree there at the end.")
+    ab.add_argument("--checkout-models", choices=["working", "own"], default="working",
+                    help="Model files of REV's servers: working: the working tree's models/ copied over REV's, "
+                         "so that only code differs; own: REV's own.")
     serving.add_client_args(parser)
     serving.add_workload_args(parser)
     return parser
@@ -266,7 +410,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError
     except ValueError:
         parser.error("--max-concurrency wants positive integers, e.g. 1,16")
-    names = [name for name, _ in args.config]
+    if args.checkout:
+        try:
+            args.commit, args.short = resolve_revision(args.checkout)
+        except CheckoutFailed as exc:
+            parser.error(str(exc))
+    elif args.checkout_dir or args.keep_checkout:
+        parser.error("--checkout-dir and --keep-checkout go with --checkout")
+    suffixes = [f"@{args.short}", ""] if args.checkout else [""]
+    names = [name + suffix for name, _ in args.config for suffix in suffixes]
     if len(set(names)) != len(names):
         parser.error("config names must differ")
     if args.rounds < 1:
@@ -281,46 +433,78 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def common_flags(args) -> list[str]:
+def common_flags(args, servers: int) -> list[str]:
     """--server-args, plus a share of device memory per server unless a flag sets it."""
     common = shlex.split(args.server_args)
     everything = common + [f for _, flags in args.config for f in flags]
-    if len(args.config) > 1 and not any(f.startswith("--mem-fraction-static") for f in everything):
-        common += ["--mem-fraction-static", f"{0.85 / len(args.config):.2f}"]
+    if servers > 1 and not any(f.startswith("--mem-fraction-static") for f in everything):
+        common += ["--mem-fraction-static", f"{0.85 / servers:.2f}"]
     return common
+
+
+def measure(args, specs: list[ServerSpec], log_dir: Path) -> tuple[list[Server], dict[str, str], list[dict]]:
+    """Start every server, run the rounds on those that answer /health, stop them all: (servers, failed, rows).
+
+    A server that does not start (a flag its revision lacks, say) is reported and left out; the others run."""
+    servers: list[Server] = []
+    try:
+        common = common_flags(args, len(specs))
+        for spec in specs:
+            servers.append(start_server(args, spec, common, log_dir))
+        print(f"started {len(servers)} servers (logs in {log_dir}); waiting for /health", flush=True)
+        failed = wait_healthy(servers, args.health_timeout)
+        stop_servers([s for s in servers if s.name in failed])      # one that timed out may still run
+        healthy = [s for s in servers if s.name not in failed]
+        return servers, failed, run_rounds(args, healthy) if healthy else []
+    finally:
+        stop_servers(servers)
+
+
+def write_record(args, servers: list[Server], failed: dict[str, str], rows: list[dict], tree: Tree | None,
+                 ab: list[dict] | None) -> None:
+    workload = {k: v for k, v in serving.args_record(args).items() if k != "config"}
+    record = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "configs": [{"name": n, "flags": f} for n, f in args.config], "rounds": args.rounds,
+              "workload": workload,
+              "servers": [{"name": s.name, "config": s.spec.config, "flags": list(s.spec.flags),
+                           "tree": str(s.spec.tree.root), "commit": s.spec.tree.commit} for s in servers],
+              "failed_servers": failed, "results": rows, "server_pids": [s.process.pid for s in servers]}
+    if tree:
+        record["checkout"] = {"rev": args.checkout, "commit": tree.commit, "short": tree.short,
+                              "path": str(tree.root), "kept": args.keep_checkout, "models": args.checkout_models,
+                              "models_replaced": list(tree.models_replaced)}
+        record["ab"] = ab
+    with open(args.output_file, "a") as f:
+        f.write(json.dumps(serving.jsonable(record)) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: servers, then the worktree
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-compare-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    servers: list[Server] = []
     try:
-        common = common_flags(args)
-        for name, flags in args.config:
-            servers.append(start_server(args, name, flags, common, log_dir))
-        print(f"started {len(servers)} servers (logs in {log_dir}); waiting for /health", flush=True)
-        wait_healthy(servers, args.health_timeout)
-        rows = run_rounds(args, servers)
-    except ServerFailed as exc:
+        with checkout(args) as old_tree:
+            trees = [old_tree, WORKING_TREE] if old_tree else [WORKING_TREE]
+            servers, failed, rows = measure(args, plan_servers(args.config, trees), log_dir)
+    except CheckoutFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; servers stopped", file=sys.stderr)
         return 130
-    finally:
-        stop_servers(servers)
-    names = [name for name, _ in args.config]
-    print_table(rows, names, args.rounds)
+    if not rows:
+        print("error: no server answered /health; nothing measured", file=sys.stderr)
+        return 1
+    print_table(rows, [s.name for s in servers if s.name not in failed], args.rounds)
+    ab = ab_ratios(rows, [name for name, _ in args.config], old_tree.suffix) if old_tree else None
+    if ab:
+        print_ab_table(rows, ab, old_tree.short)
+    for name, why in failed.items():
+        print(f"not measured: {name} {why}")
     if args.output_file:
-        workload = {k: v for k, v in serving.args_record(args).items() if k != "config"}
-        record = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "configs": [{"name": n, "flags": f} for n, f in args.config], "rounds": args.rounds,
-                  "workload": workload, "results": rows, "server_pids": [s.process.pid for s in servers]}
-        with open(args.output_file, "a") as f:
-            f.write(json.dumps(serving.jsonable(record)) + "\n")
-    return 0
+        write_record(args, servers, failed, rows, old_tree, ab)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

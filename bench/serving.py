@@ -253,7 +253,8 @@ async def send_request(session: aiohttp.ClientSession, args, request: Request) -
                 data = json.loads(payload)
                 if "error" in data:
                     error = data["error"]
-                    result.error = "stream error: " + str(error.get("message", error) if isinstance(error, dict) else error)[:200]
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                    result.error = "stream error: " + str(message)[:200]
                     return result
                 finished = read_chunk(args, data, result, clock, now) or finished
         result.latency = time.perf_counter() - start
@@ -332,7 +333,8 @@ async def run_benchmark(args, verbose: bool = True) -> dict:
             return result
 
         start = time.perf_counter()
-        tasks = [asyncio.create_task(limited(r)) async for r in arrivals(requests, args.request_rate, random.Random(args.seed))]
+        schedule = arrivals(requests, args.request_rate, random.Random(args.seed))
+        tasks = [asyncio.create_task(limited(r)) async for r in schedule]
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         if bar is not None:
@@ -498,11 +500,14 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 def add_client_args(parser: argparse.ArgumentParser) -> None:
     """Flags that shape each request, shared with bench/compare.py."""
     parser.add_argument("--backend", choices=BACKENDS, default="tandem",
-                        help="tandem/sglang: POST /generate; vllm/openai: /v1/completions; openai-chat: /v1/chat/completions.")
-    parser.add_argument("--model", default=None, help="Model name for OpenAI requests (default: the first of /v1/models).")
+                        help="tandem/sglang: POST /generate; vllm/openai: /v1/completions; openai-chat: "
+                             "/v1/chat/completions.")
+    parser.add_argument("--model", default=None, help="Model name for OpenAI requests (default: the first of "
+                                                      "/v1/models).")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="Requests per second with Poisson arrivals; inf sends all at once.")
-    parser.add_argument("--warmup-requests", type=int, default=1, help="Requests sent (and not counted) before the run.")
+    parser.add_argument("--warmup-requests", type=int, default=1, help="Requests sent (and not counted) before "
+                                                                       "the run.")
     parser.add_argument("--extra-request-body", type=json.loads, default=None,
                         help="JSON object merged into every request body, e.g. '{\"top_p\": 0.9}'.")
     parser.add_argument("--disable-ignore-eos", action="store_true",
@@ -564,7 +569,8 @@ def jsonable(value):
 def args_record(args) -> dict:
     """The arguments as JSON-safe values (headers left out: they may hold the API key)."""
     skip = {"headers", "api_key"}
-    return {k: v for k, v in vars(args).items() if k not in skip and isinstance(v, (str, int, float, bool, dict, list, type(None)))}
+    plain = (str, int, float, bool, dict, list, type(None))
+    return {k: v for k, v in vars(args).items() if k not in skip and isinstance(v, plain)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

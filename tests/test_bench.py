@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -380,12 +381,131 @@ def test_compare_runs_rounds_and_stops_servers(tokenizer_dir, tmp_path):
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
-def test_compare_reports_a_server_that_never_gets_healthy(tokenizer_dir, tmp_path):
+def test_compare_reports_a_server_that_never_gets_healthy_and_measures_the_rest(tokenizer_dir, tmp_path):
+    out = tmp_path / "compare.jsonl"
     result = cli("bench/compare.py", "--server-script", "tests/test_bench.py", "--tokenizer", str(tokenizer_dir),
-                 "--config", "ok=", "--config", "dead=--fake-exit", "--health-timeout", "20",
-                 "--num-prompts", "2", "--log-dir", str(tmp_path / "logs"))
-    assert result.returncode != 0
-    assert "dead" in result.stderr
+                 "--config", "ok=", "--config", "dead=--fake-exit", "--health-timeout", "20", "--rounds", "1",
+                 "--num-prompts", "2", "--max-concurrency", "1", "--output-file", str(out),
+                 "--log-dir", str(tmp_path / "logs"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "'dead' exited with status 1" in result.stderr and "fake server: asked to fail" in result.stderr
+    record = json.loads(out.read_text())
+    assert [row["config"] for row in record["results"]] == ["ok"]
+    assert record["results"][0]["median"]["completed"] == 2
+    assert "fake server: asked to fail" in record["failed_servers"]["dead"]
+
+
+def test_compare_names_each_config_per_tree_and_ratios_the_working_tree_to_the_checkout():
+    from bench import compare
+    from bench.worktree import WORKING_TREE, Tree
+
+    old = Tree(Path("/elsewhere/old"), "ab" * 20, "abababa")
+    specs = compare.plan_servers([("a", ["--x"]), ("b", [])], [old, WORKING_TREE])
+    assert [s.name for s in specs] == ["a@abababa", "a", "b@abababa", "b"]      # side by side, old first
+    assert specs[0].flags == specs[1].flags == ("--x",) and specs[0].tree is old
+
+    model = str(REPO / "models" / "tandem-dense")         # the embedded model moves into the old tree ...
+    assert old.place(model, within=REPO / "models") == "/elsewhere/old/models/tandem-dense"
+    assert old.place("models/tandem-dense", within=REPO / "models") == "/elsewhere/old/models/tandem-dense"
+    assert old.place("/data/m", within=REPO / "models") == "/data/m"      # ... a model elsewhere stays
+    assert old.place("run.py") == "/elsewhere/old/run.py"
+    assert WORKING_TREE.place("run.py") == str(REPO / "run.py")
+
+    def row(config, tok_s, ttft):
+        return {"config": config, "max_concurrency": 1,
+                "median": {"output_throughput": tok_s, "decode_throughput_per_request": 2 * tok_s,
+                           "median_ttft_ms": ttft, "median_itl_ms": None}}
+    rows = [row("a@abababa", 100.0, 20.0), row("a", 125.0, 10.0), row("b", 50.0, 5.0)]   # b@... never started
+    ab = compare.ab_ratios(rows, ["a", "b"], old.suffix)
+    assert [(e["config"], e["against"]) for e in ab] == [("a", "a@abababa"), ("b", "b@abababa")]
+    assert ab[0]["ratios"] == {"output_throughput": 1.25, "decode_throughput_per_request": 1.25,
+                               "median_ttft_ms": 0.5, "median_itl_ms": None}
+    assert set(ab[1]["ratios"].values()) == {None}
+    medians = {r["config"]: r["median"] for r in rows}
+    assert compare.ab_cell(medians["a"], medians["a@abababa"], "output_throughput") == "100.0 -> 125.0 (1.25x)"
+    assert compare.ab_cell(medians["b"], None, "output_throughput") == "not measured"
+
+
+def test_worktree_is_made_reused_refused_when_edited_and_models_mirrored(tmp_path, capsys):
+    from bench import worktree
+
+    commit, short = worktree.resolve_revision("HEAD")
+    assert commit.startswith(short) and len(commit) == 40
+    with pytest.raises(worktree.CheckoutFailed, match="not a commit"):
+        worktree.resolve_revision("no-such-revision-anywhere")
+    where = tmp_path / "wt"
+    try:
+        assert worktree.open_worktree(commit, where) is False
+        assert worktree.git("rev-parse", "HEAD", cwd=where) == commit and (where / "run.py").is_file()
+        source = tmp_path / "models"
+        (source / "m").mkdir(parents=True)
+        (source / "m" / "w.bin").write_bytes(b"new")
+        (where / "models" / "stale.bin").write_bytes(b"old")
+        changed = worktree.mirror_files(source, where / "models")
+        assert "m/w.bin" in changed and "stale.bin" in changed
+        assert (where / "models" / "m" / "w.bin").read_bytes() == b"new"
+        assert not (where / "models" / "stale.bin").exists()
+        assert worktree.mirror_files(source, where / "models") == []
+        assert worktree.open_worktree(commit, where) is True           # mirrored models do not count as edits
+        (where / "run.py").write_text("# edited\n")
+        with pytest.raises(worktree.CheckoutFailed, match="local edits"):
+            worktree.open_worktree(commit, where)
+    finally:
+        worktree.remove_worktree(where)
+    assert not where.exists() and str(where) not in worktree.git("worktree", "list")
+    worktree.remove_worktree(where)                                    # already gone: a warning, not a crash
+    assert "warning: could not remove the worktree" in capsys.readouterr().err
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(worktree.CheckoutFailed, match="not a worktree"):
+        worktree.open_worktree(commit, tmp_path / "plain")
+
+
+# Loaded by every Python process of the checkout test: says where the `engine` package is read from.
+IMPORT_PROBE = """import re, sys
+def _report_engine(event, args):
+    if event == "open" and isinstance(args[0], str) and re.search(r"/engine/(__pycache__/)?__init__[.]", args[0]):
+        print("probe: engine read from " + args[0], file=sys.stderr, flush=True)
+sys.addaudithook(_report_engine)
+"""
+
+
+@pytest.mark.slow
+def test_compare_checkout_runs_both_trees_side_by_side(tmp_path):
+    """Real servers (the embedded model, no speculation) from a worktree of HEAD and from the working tree."""
+    out, logs, where, probe = tmp_path / "compare.jsonl", tmp_path / "logs", tmp_path / "wt", tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(IMPORT_PROBE)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    short = subprocess.run(["git", "rev-parse", "--short", commit], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    result = subprocess.run(
+        [sys.executable, "bench/compare.py", "--checkout", commit, "--checkout-dir", str(where),
+         "--config", "none=--speculative-algorithm none", "--rounds", "1", "--max-concurrency", "1",
+         "--num-prompts", "2", "--random-input-len", "16", "--random-output-len", "4", "--random-range-ratio", "1",
+         "--warmup-requests", "0", "--output-file", str(out), "--log-dir", str(logs), "--health-timeout", "120"],
+        cwd=REPO, env=os.environ | {"PYTHONPATH": str(probe)}, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"Working tree against {short}" in result.stdout
+    record = json.loads(out.read_text())
+    old_name = f"none@{short}"
+    assert [s["name"] for s in record["servers"]] == [old_name, "none"]
+    assert [s["commit"] for s in record["servers"]] == [commit, None]
+    for row in record["results"]:
+        m = row["median"]
+        assert m["completed"] == 2 and m["failed_total"] == 0 and m["total_output_tokens"] == 8
+        assert m["output_throughput"] > 0 and m["decode_throughput_per_request"] > 0 and m["median_ttft_ms"] > 0
+    (ab,) = record["ab"]
+    assert ab["config"] == "none" and ab["against"] == old_name
+    assert all(0 < r < 100 for r in ab["ratios"].values()), ab
+    old_log, new_log = (logs / f"{old_name}.log").read_text(), (logs / "none.log").read_text()
+    assert f"worktree {where} at {commit}" in old_log and f" {where}/run.py " in old_log
+    assert f"probe: engine read from {where}/engine/" in old_log and str(REPO / "engine") not in old_log
+    assert f"probe: engine read from {REPO}/engine/" in new_log and str(where) not in new_log
+    assert "serving tandem-dense" in old_log and "serving tandem-dense" in new_log
+    assert record["checkout"]["path"] == str(where) and not record["checkout"]["kept"]
+    assert not where.exists()
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    assert str(where) not in worktrees
 
 
 # ---- bench/baseline_hf.py on a tiny random model ---------------------------------------
