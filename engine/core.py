@@ -65,7 +65,8 @@ class EngineCore:
         self.meter = OverlapMeter()
         self.in_flight: InFlight | None = None
         self.last_awaited: InFlight | None = None
-        self.observers: list[Callable[[Finished], None]] = []
+        self.observers: list[Callable[[Finished], None]] = []           # each processed step
+        self.launch_observers: list[Callable[[InFlight], None]] = []    # each step, right after its launch
         self.failed_steps = 0
         self.consecutive_failures = 0
         self.broken: EngineBroken | None = None
@@ -103,7 +104,7 @@ class EngineCore:
         record = self.scheduler.policy.export_record(req)
         slots = self.scheduler.pool.slots(req.pages, 0, req.kv_len)
         target_kv, draft_kv, draft_row = await self.runner.device.launch(
-            lambda: self.runner.export_state(req.row, slots))
+            lambda: self.runner.export_chunk(req.row, slots))
         return RequestState(req.kv_len, target_kv, draft_kv, draft_row, record)
 
     async def import_request(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: list[int],
@@ -131,6 +132,8 @@ class EngineCore:
             self.meter.cpu(start, scheduled)
             return None
         flight = InFlight(batch, self.launch(batch))
+        for observe in self.launch_observers:
+            observe(flight)
         end = time.perf_counter()
         self.meter.cpu(start, end)
         self.tracer.span("schedule", f"schedule {batch.step}", start, scheduled,

@@ -30,6 +30,38 @@ class AddRequest(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    # "unified": prefill and decode here; "prefill": prefill only, exporting the KV and the first
+    # token (a prefill node); "decode": reserve KV and wait for them from a prefill node
+    mode: str = "unified"
+
+
+class KvBlock(msgspec.Struct):
+    """A host tensor as raw bytes (K and V of some positions of one layer: [2, count, kv_heads, head_dim])."""
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class KvLayer(msgspec.Struct, tag=True):
+    """Prefill/decode: one layer's K and V of positions [start, start + count) of a request."""
+    rid: str
+    start: int
+    count: int
+    layer: int
+    kind: str                       # "target", or "draft" (the draft model's or head's own cache)
+    block: KvBlock
+
+
+class PrefillDone(msgspec.Struct, tag=True):
+    """Prefill/decode: the prompt is in the KV sent before; the first token, and what the decode
+    side's speculative worker and decode policy need to go on."""
+    rid: str
+    kv_len: int
+    first_token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    draft_row: dict[str, KvBlock] = {}
+    record: dict = {}
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -41,7 +73,7 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToRank = AddRequest | AbortRequest | Shutdown
+ToRank = AddRequest | AbortRequest | Shutdown | KvLayer | PrefillDone
 
 
 # ---- rank -> front -------------------------------------------------------------
@@ -72,6 +104,11 @@ class RequestFailed(msgspec.Struct, tag=True):
     message: str
 
 
+class PrefillReserved(msgspec.Struct, tag=True):
+    """Decode side: KV for the prompt and one decode step is reserved; its prefill may start."""
+    rid: str
+
+
 class RankStats(msgspec.Struct, tag=True):
     """Periodic gauges from a rank, for /metrics and /health."""
     rank: int
@@ -99,4 +136,5 @@ class RankReady(msgspec.Struct, tag=True):
     description: str
 
 
-FromRank = TokenDelta | RequestRejected | RequestFailed | RankStats | RankReady
+FromRank = (TokenDelta | RequestRejected | RequestFailed | RankStats | RankReady | KvLayer | PrefillDone
+            | PrefillReserved)

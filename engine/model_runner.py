@@ -185,22 +185,41 @@ class ModelRunner:
 
     # ---- a request's state, to continue elsewhere (on the stream) --------------------
 
-    def export_state(self, row: int, slots: list[int]) -> tuple[list, list, dict]:
-        """The KV of the given slots (positions 0..len(slots)-1), the draft's too, and the row's draft state."""
-        index = torch.tensor(slots, dtype=torch.long, device=self.device.torch_device)
+    def export_chunk(self, row: int | None, slots: list[int]) -> tuple[list, list, dict]:
+        """The KV of the given slots, the draft's too, and (given a row) the row's draft state."""
+        index = self.slot_index(slots)
         draft_kv = read_kv(self.worker.draft_kv, index) if self.worker and self.worker.draft_kv else []
-        return read_kv(self.kv, index), draft_kv, self.worker.export_row(row) if self.worker else {}
+        draft_row = self.worker.export_row(row) if self.worker and row is not None else {}
+        return read_kv(self.kv, index), draft_kv, draft_row
 
     def import_state(self, row: int, slots: list[int], state: RequestState, token_ids: list[int]) -> None:
         """Write an exported request into `row`, whose positions 0..len(slots)-1 have `slots`."""
-        dev = self.device.torch_device
-        index = torch.tensor(slots, dtype=torch.long, device=dev)
-        self.req_to_slot[row, :len(slots)] = index
-        write_kv(self.kv, index[:state.kv_len], state.target_kv)
+        index = self.slot_index(slots[:state.kv_len])
+        write_kv(self.kv, index, state.target_kv)
+        if self.worker and self.worker.draft_kv:
+            write_kv(self.worker.draft_kv, index, state.draft_kv)
+        self.activate_row(row, slots, state.draft_row, token_ids, state.kv_len)
+
+    def write_kv_layer(self, slots: list[int], layer: int, kind: str, pair: torch.Tensor) -> None:
+        """One layer's K and V [2, n, kv_heads, head_dim] of some positions of a request, arriving
+        from a prefill node, into their slots."""
+        cache = self.kv if kind == "target" else self.worker.draft_kv if self.worker else None
+        if cache is None or not 0 <= layer < len(cache.k) or tuple(pair.shape[2:]) != tuple(cache.k[0].shape[1:]) \
+                or pair.shape[:2] != (2, len(slots)):
+            raise ValueError(f"a {kind} KV block of shape {list(pair.shape)} for layer {layer} does not fit this cache")
+        index = self.slot_index(slots)
+        cache.k[layer].index_copy_(0, index, pair[0].to(cache.k[layer].device, cache.k[layer].dtype))
+        cache.v[layer].index_copy_(0, index, pair[1].to(cache.v[layer].device, cache.v[layer].dtype))
+
+    def activate_row(self, row: int, slots: list[int], draft_row: dict, token_ids: list[int], kv_len: int) -> None:
+        """A request whose KV is in place starts decoding in `row`: its slot table, and the speculative
+        worker's per-row state (the bonus is its token at kv_len)."""
+        self.req_to_slot[row, :len(slots)] = self.slot_index(slots)
         if self.worker:
-            if self.worker.draft_kv:
-                write_kv(self.worker.draft_kv, index[:state.kv_len], state.draft_kv)
-            self.worker.import_row(row, state.draft_row, token_ids, state.kv_len)
+            self.worker.import_row(row, draft_row, token_ids, kv_len)
+
+    def slot_index(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.long, device=self.device.torch_device)
 
     def phase_times(self, result: StepResult) -> list[tuple[str, float]]:
         """(phase, device seconds) of a finished speculative step, from the marks it recorded."""

@@ -46,7 +46,7 @@ class DecodePolicy:
     def plan_decodes(self, sched: "Scheduler", batch: ScheduledBatch, decodes: list[Request]) -> bool:
         """Feed the decodes into `batch`; True when the batch is complete (prompt chunks do not join)."""
         for req in decodes:
-            sched.feed(batch, req, 1)
+            sched.feed(batch, req, 1, decode=True)
         return False
 
     def on_fed(self, batch: ScheduledBatch, seq: SeqWork) -> None:

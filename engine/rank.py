@@ -18,8 +18,9 @@ from devices.base import Device
 from engine.args import ServerArgs
 from engine.core import EngineCore, Finished
 from engine.kv_pool import KVPool
-from engine.messages import (AbortRequest, AddRequest, RankStats, RequestFailed, RequestRejected, Shutdown,
-                             TokenDelta)
+from engine.disagg import PrefillExporter, RemoteKv, prefill_params
+from engine.messages import (AbortRequest, AddRequest, KvLayer, PrefillDone, RankStats, RequestFailed,
+                             RequestRejected, Shutdown, TokenDelta)
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.policy import DecodePolicy, PlainDecoding
@@ -64,6 +65,8 @@ class Rank:
         self.core = build_core(args, device, eos_ids, self.tracer)
         self.core.observers.append(self.account)
         self.runner, self.scheduler, self.pool = self.core.runner, self.core.scheduler, self.core.scheduler.pool
+        self.exporter = PrefillExporter(self.core, channel)     # requests prefilled here for a decode node
+        self.remote = RemoteKv(self.core, channel)              # requests prefilled on a prefill node
         self.inbox: list = []
         self.wake = asyncio.Event()
         self.stopping = False
@@ -77,10 +80,12 @@ class Rank:
 
     async def run(self) -> None:
         reader = asyncio.create_task(self.read_front())
+        exporter = asyncio.create_task(self.exporter.run())
         try:
             while not self.stopping:
                 self.take_inbox()
-                self.send_news(await self.core.step())
+                self.remote.reserve()
+                self.send_news(await self.core.step() + self.remote.take_failed())
                 if self.core.broken:
                     await self.channel.writer.drain()       # the failed requests hear of it first
                     raise self.core.broken
@@ -91,6 +96,7 @@ class Rank:
             await self.channel.writer.drain()
         finally:
             reader.cancel()
+            exporter.cancel()
             self.tracer.close()
 
     def account(self, done: Finished) -> None:
@@ -135,24 +141,35 @@ class Rank:
             self.wake.set()
 
     def take_inbox(self) -> None:
-        """Apply new requests and aborts before scheduling (aborts first within the batch of messages)."""
+        """Apply new requests, aborts and arriving KV before scheduling, in the order they came."""
         messages, self.inbox = self.inbox, []
         for msg in messages:
             if isinstance(msg, AddRequest):
-                log.debug("add %s (%d prompt tokens)", msg.rid, len(msg.input_ids))
-                error = self.scheduler.add(msg.rid, msg.input_ids, msg.params)
-                if error:
-                    status = 503 if error == "overloaded" else 400
-                    self.channel.send_nowait(RequestRejected(msg.rid, error, status))
+                self.add(msg)
             elif isinstance(msg, AbortRequest):
                 req = self.scheduler.abort(msg.rid, "abort" if msg.reason == "abort" else "stop")
-                if req:
-                    self.send_news([req])
+                self.send_news([req] if req else [])
+            elif isinstance(msg, KvLayer):
+                self.send_news(self.remote.write(msg))
+            elif isinstance(msg, PrefillDone):
+                self.send_news(self.remote.activate(msg))
             elif isinstance(msg, Shutdown):
                 self.stop()
 
+    def add(self, msg: AddRequest) -> None:
+        log.debug("add %s (%d prompt tokens, %s)", msg.rid, len(msg.input_ids), msg.mode)
+        params = prefill_params(msg.params) if msg.mode == "prefill" else msg.params
+        error = self.scheduler.add(msg.rid, msg.input_ids, params, remote=msg.mode == "decode")
+        if error:
+            status = 503 if error == "overloaded" else 400
+            self.channel.send_nowait(RequestRejected(msg.rid, error, status))
+        elif msg.mode == "prefill":
+            self.exporter.add(msg.rid)
+
     def send_news(self, requests: list[Request]) -> None:
         for req in requests:
+            if self.exporter.finished(req):
+                continue                          # its PrefillDone follows its KV
             if req.finish_reason == "error":
                 self.channel.send_nowait(RequestFailed(req.rid, req.error))
             else:

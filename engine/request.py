@@ -23,6 +23,8 @@ from engine.messages import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"        # not in the cache (new, or retracted for recompute)
+    RESERVING = "reserving"    # its prefill happens elsewhere; waits for room for its KV
+    RESERVED = "reserved"      # has a row and pages; its KV arrives from a prefill node
     RUNNING = "running"        # has a row and pages; prefilling (chunked) or decoding
     FINISHED = "finished"
 

@@ -43,6 +43,8 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.policy = policy or PlainDecoding()
         self.waiting: deque[Request] = deque()
+        self.reserving: deque[Request] = deque()      # prefilled elsewhere: waiting for room for their KV
+        self.reserved: dict[str, Request] = {}        # room reserved: their KV is arriving
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.step = 0
@@ -51,15 +53,52 @@ class Scheduler:
 
     # ---- intake ------------------------------------------------------------------
 
-    def add(self, rid: str, input_ids: list[int], params: SamplingParams) -> str | None:
-        """Queue a request; returns an error message if it can never run here."""
+    def add(self, rid: str, input_ids: list[int], params: SamplingParams, remote: bool = False) -> str | None:
+        """Queue a request; returns an error message if it can never run here. A remote request is
+        prefilled elsewhere: it waits for room for its KV (reserve_remote), then for the KV."""
         error = self.refusal(rid, input_ids, params)
         if error:
             return error
         req = Request(rid, list(input_ids), params, self.eos_ids, self.policy.new_record())
         self.requests[rid] = req
-        self.waiting.append(req)
+        if remote:
+            req.status = Status.RESERVING
+            self.reserving.append(req)
+        else:
+            self.waiting.append(req)
         return None
+
+    def reserve_remote(self) -> list[Request]:
+        """Rows and pages for the prompts of remote requests (and their first decode step), oldest
+        first, as far as they fit; returns those that got them (their prefill may start)."""
+        done = []
+        while self.reserving and self.can_reserve(self.reserving[0]):
+            req = self.reserving.popleft()
+            req.row, req.status = self.pool.take_row(), Status.RESERVED
+            self.pool.grow(req.pages, len(req.input_ids) + self.policy.growth)
+            self.reserved[req.rid] = req
+            done.append(req)
+        return done
+
+    def can_reserve(self, req: Request) -> bool:
+        need = self.pool.pages_for(len(req.input_ids) + self.policy.growth)
+        reserve = self.pool.pages_for(len(self.running) * self.policy.growth)    # everyone's next step
+        return (bool(self.pool.free_rows) and len(self.running) + len(self.reserved) < self.config.max_running_requests
+                and need + reserve <= len(self.pool.free_pages))
+
+    def activate(self, req: Request, first_token: int, logprob: float | None,
+                 top: list[tuple[int, float]] | None, record: dict) -> None:
+        """A reserved request's KV has arrived, and its first token: it decodes from now on."""
+        self.reserved.pop(req.rid)
+        self.policy.import_record(req, record)
+        req.kv_len, req.prefilled, req.status = len(req.input_ids), True, Status.RUNNING
+        self.running.append(req)
+        req.output_ids.append(first_token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+            req.output_top_logprobs.append(list(top or []))
+        if req.check_finish(first_token, self.config.context_length):
+            self.finish(req)
 
     def refusal(self, rid: str, input_ids: list[int], params: SamplingParams) -> str | None:
         if rid in self.requests:
@@ -274,12 +313,16 @@ class Scheduler:
         """Free everything the request holds, exactly once. Safe while a batch that
         writes its slots is in flight: the device runs batches in order, so a later
         owner's writes land after it."""
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
+        if req.status in (Status.RUNNING, Status.RESERVED):
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+            self.reserved.pop(req.rid, None)
             self.pool.release(req.pages)
             self.pool.give_row(req.row)
             req.row = None
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        elif req.status is Status.RESERVING:
+            self.reserving.remove(req)
         req.status = Status.FINISHED
         self.requests.pop(req.rid, None)
