@@ -92,6 +92,16 @@ class ServerArgs:
     max_request_bytes: int = flag(16 * 1024 * 1024, "Largest HTTP request body accepted; larger ones get 413.")
     max_rank_restarts: int = flag(3, "Rank processes that die are restarted; after this many deaths within 10 "
                                      "minutes the server gives up and exits non-zero (0: never restart).")
+    disaggregation_bootstrap_port: int = flag(8998, "--role prefill: the TCP port decode nodes connect to.")
+    prefill_addr: tuple[str, ...] = flag((), "--role decode: HOST:PORT of a prefill node's bootstrap port (repeat "
+                                             "the flag for several; prompts go to the one with the fewest tokens in "
+                                             "flight).")
+    disaggregation_transfer_backend: str = flag("tcp", "How KV moves between prefill and decode nodes: tcp (asyncio "
+                                                       "sockets, the built-in backend).", ["tcp"])
+    pd_secret: str | None = flag(None, "Prefill/decode: a shared secret both nodes must prove they know (HMAC "
+                                       "challenge; never sent), or @FILE / a file path holding it.")
+    disaggregation_timeout: float = flag(60.0, "Prefill/decode: seconds a request may wait for its prefill node "
+                                               "(connecting, prefilling, transferring) before it fails.")
     shutdown_timeout: float = flag(30.0, "On SIGTERM / SIGINT: seconds in-flight requests may still run before "
                                          "they are ended with an error.")
 
@@ -160,10 +170,23 @@ class ServerArgs:
         if self.max_request_bytes < 1024 or self.max_rank_restarts < 0 or not self.shutdown_timeout >= 0:
             raise ValueError("--max-request-bytes must be at least 1024, --max-rank-restarts and "
                              "--shutdown-timeout at least 0")
+        self.validate_disaggregation()
         if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,
                self.max_prefill_tokens, self.dp_size) < 1:
             raise ValueError("--page-size, --max-running-requests, --chunked-prefill-size, --max-prefill-tokens, "
                              "--stream-interval and --dp-size must be positive")
+
+    def validate_disaggregation(self) -> None:
+        if self.role == "decode" and not self.prefill_addr:
+            raise ValueError("--role decode needs at least one --prefill-addr HOST:PORT")
+        if self.role != "decode" and self.prefill_addr:
+            raise ValueError("--prefill-addr is for --role decode")
+        for addr in self.prefill_addr:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--prefill-addr {addr!r}: expected HOST:PORT")
+        if not self.disaggregation_timeout > 0:
+            raise ValueError("--disaggregation-timeout must be positive")
 
     def validate_speculation(self) -> None:
         if self.speculative_eagle_topk != 1:
@@ -197,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             parser.add_argument(name, action="store_true", help=help_text)
             continue
+        if str(f.type).startswith("tuple"):
+            parser.add_argument(name, action="append", default=None, help=help_text)
+            continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
         if f.name == "speculative_algorithm":
             kind = str.lower          # SGLang spells them EAGLE, EAGLE3, NGRAM, STANDALONE
@@ -206,7 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     parser = build_parser()
-    args = ServerArgs(**vars(parser.parse_args(argv)))
+    values = vars(parser.parse_args(argv))
+    for f in dataclasses.fields(ServerArgs):
+        if str(f.type).startswith("tuple"):                # repeated flags: every value given, in order
+            values[f.name] = tuple(values[f.name] or ())
+    args = ServerArgs(**values)
     try:
         args.validate()
     except ValueError as exc:

@@ -70,6 +70,7 @@ class EngineCore:
         self.failed_steps = 0
         self.consecutive_failures = 0
         self.broken: EngineBroken | None = None
+        self.stalled = False
 
     @property
     def busy(self) -> bool:
@@ -80,6 +81,7 @@ class EngineCore:
         if self.broken:
             raise self.broken
         launched = self.schedule_and_launch()
+        self.stalled = launched is None and self.in_flight is None      # nothing to run until something changes
         news: list[Request] = []
         if self.in_flight:
             news += await self.finish(self.in_flight, behind=launched)

@@ -90,7 +90,7 @@ class Rank:
                     await self.channel.writer.drain()       # the failed requests hear of it first
                     raise self.core.broken
                 self.report()
-                if not self.core.busy:
+                if not self.core.busy or self.core.stalled:
                     await self.idle()
             self.send_news(await self.core.drain())
             await self.channel.writer.drain()

@@ -164,6 +164,9 @@ class Scheduler:
             if self.policy.plan_decodes(self, batch, decodes):
                 return batch
         self.plan_prefill(batch)
+        while not batch.seqs and self.stuck():
+            self.retract(self.running[-1])       # prompts that cannot grow, nothing else to run: make room
+            self.plan_prefill(batch)
         if not batch.seqs:
             return None
         self.policy.end_prefill_plan(self, batch)
@@ -185,12 +188,17 @@ class Scheduler:
             budget -= self.feed_chunk(batch, req, budget)
 
     def prefill_ready(self) -> bool:
-        """Run a prefill batch now (new or chunked prompts can make progress)."""
-        if any(not self.policy.is_decoding(r) for r in self.running):
+        """Run a prefill batch now (new or chunked prompts can make progress: a prompt's next chunk
+        fits in the free pages; one that does not waits for decodes to free some)."""
+        if any(self.chunk_fits(r) for r in self.running if not self.policy.is_decoding(r)):
             return True
         return (bool(self.waiting) and self.waiting[0].pending == 0
                 and len(self.running) < self.config.max_running_requests
                 and self.can_admit(self.waiting[0], self.config.max_prefill_tokens))
+
+    def chunk_fits(self, req: Request) -> bool:
+        size = min(req.known_len - req.kv_len, self.config.chunked_prefill_size, self.config.max_prefill_tokens)
+        return size > 0 and self.pool.can_grow(req.pages, req.kv_len + size)
 
     def can_admit(self, req: Request, budget: int) -> bool:
         if not self.pool.free_rows:
@@ -198,6 +206,10 @@ class Scheduler:
         chunk = min(req.known_len, self.config.chunked_prefill_size, budget)
         reserve = len(self.running) * self.policy.growth     # next decode step of everyone running
         return self.pool.pages_for(chunk) + self.pool.pages_for(reserve) <= len(self.pool.free_pages)
+
+    def stuck(self) -> bool:
+        """Requests run, none has a step in flight, and this step could feed none of them."""
+        return len(self.running) > 1 and all(r.pending == 0 for r in self.running)
 
     def make_room_for(self, decodes: list[Request]) -> None:
         """Retract the newest running requests until every decode can grow by one step."""

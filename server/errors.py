@@ -18,6 +18,7 @@ log = logging.getLogger("tandem.http")
 
 _AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+_UNKNOWN = re.compile(r"unknown field `(?P<field>[^`]+)`")
 
 
 class APIError(Exception):
@@ -55,6 +56,11 @@ def from_validation_error(exc: msgspec.ValidationError) -> APIError:
     text = str(exc)
     at = _AT_PATH.search(text)
     path = at.group("path") if at else ""
+    unknown = _UNKNOWN.search(text)
+    if unknown:
+        name = f"{path}.{unknown.group('field')}" if path else unknown.group("field")
+        return bad_request(f"`{name}` is not a parameter this server knows; remove it.", param=name,
+                           code="unsupported_parameter")
     missing = _MISSING.search(text)
     if missing:
         path = f"{path}.{missing.group('field')}" if path else missing.group("field")

@@ -22,8 +22,8 @@ from collections import deque
 from typing import AsyncIterator
 
 from engine.args import ServerArgs
-from engine.messages import (AbortRequest, AddRequest, FromRank, RankReady, RankStats, RequestFailed,
-                             RequestRejected, SamplingParams, Shutdown, TokenDelta)
+from engine.messages import (AbortRequest, AddRequest, FromRank, KvLayer, PrefillDone, PrefillReserved, RankReady,
+                             RankStats, RequestFailed, RequestRejected, SamplingParams, Shutdown, TokenDelta)
 from engine.rank_main import rank_main
 from engine.wire import Channel
 from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
@@ -148,7 +148,10 @@ class RankEngineClient(EngineClient):
 
     # ---- per request ---------------------------------------------------------------
 
-    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
+                       mode: str = "unified") -> AsyncIterator[TokenDelta]:
+        """A request's messages from its rank: TokenDeltas until the one that finishes it; with mode
+        "prefill", KvLayers then PrefillDone; with mode "decode", PrefillReserved first."""
         link = self.pick_rank()
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
@@ -157,14 +160,13 @@ class RankEngineClient(EngineClient):
         finished = False
         self.aborted.discard(rid)
         try:
-            link.channel.send_nowait(AddRequest(rid, input_ids, params))
+            link.channel.send_nowait(AddRequest(rid, input_ids, params, mode))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                if item.finish_reason is not None:
-                    finished = True
+                finished = isinstance(item, PrefillDone) or getattr(item, "finish_reason", None) is not None
                 yield item
                 if finished:
                     return
@@ -175,6 +177,12 @@ class RankEngineClient(EngineClient):
             if not finished and link.alive and rid not in self.aborted:
                 link.channel.send_nowait(AbortRequest(rid, "abort"))
             self.aborted.discard(rid)
+
+    def send(self, rid: str, msg: KvLayer | PrefillDone) -> None:
+        """Forward a message to the rank that holds the request (arriving KV, on a decode node)."""
+        link = self.owner.get(rid)
+        if link and link.alive:
+            link.channel.send_nowait(msg)
 
     async def abort(self, rid: str, reason: str = "abort") -> None:
         link = self.owner.get(rid)
@@ -227,7 +235,7 @@ class RankEngineClient(EngineClient):
                 queue = self.streams.get(msg.rid)
                 if queue is None:
                     continue
-                if isinstance(msg, TokenDelta):
+                if isinstance(msg, (TokenDelta, KvLayer, PrefillDone, PrefillReserved)):
                     queue.put_nowait(msg)
                 elif isinstance(msg, RequestRejected):
                     queue.put_nowait(EngineRejected(msg.message, msg.status))

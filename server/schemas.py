@@ -25,22 +25,22 @@ MAX_SEED = 2**63 - 1
 BODY_READ_TIMEOUT_S = 60.0
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class CommonSampling(msgspec.Struct, kw_only=True):
+class CommonSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by /v1/completions, /v1/chat/completions and /generate's sampling_params."""
     temperature: float | None = None
     top_p: float | None = None
@@ -99,7 +99,7 @@ class GenerateSampling(CommonSampling, kw_only=True):
     ebnf: Any = None
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True):
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str | list[Any] | None = None
     input_ids: list[Any] | None = None
     sampling_params: GenerateSampling = msgspec.field(default_factory=GenerateSampling)

@@ -35,8 +35,11 @@ class FakeDevice:
     def run(self, batch):
         tokens, offset = [], 0
         for seq in batch.seqs:
-            fed = [self.futures[-t] if t < 0 else t for t in batch.input_ids[offset:offset + seq.q_len]]
-            offset += seq.q_len
+            if batch.is_spec_decode:          # no input ids: the device knows (tests run these without overlap)
+                fed = [seq.req.all_ids[-1]]
+            else:
+                fed = [self.futures[-t] if t < 0 else t for t in batch.input_ids[offset:offset + seq.q_len]]
+                offset += seq.q_len
             if seq.samples:
                 tokens.append((fed[-1] + 1) % 50 if fed[-1] != 48 else 0)
                 self.futures[seq.future_id] = tokens[-1]
@@ -206,3 +209,37 @@ def test_under_load_decodes_go_plain_once_no_drafting_step_is_in_flight():
     sched.process(plain, StepOutput(tokens=[[10], [12], [13]]))
     assert r0.output_ids == [6, 6, 7, 8, 9, 10] and r0.decode.verify_steps == 3     # a plain decode counts as a verify
     assert sched.requests["r2"].decode.verify_steps == 0                             # its first token is the prefill's
+
+
+@pytest.mark.parametrize("off_at", [0, 3], ids=["drafting", "plain-under-load"])
+def test_speculation_with_a_full_cache_keeps_making_progress(off_at):
+    """Speculative decode steps and chunked prompts compete for a cache that fits only some of them:
+    a prompt whose next chunk cannot fit must not hold the decodes back (they free pages as they
+    finish), and prompts that all stall get retracted. Every step here accepts no draft."""
+    sched = make(num_slots=200, chunk=16, budget=32, rows=8, max_running=8)
+    sched.policy = SpeculativeDecoding(spec_tokens=4, off_batch_size=off_at)
+    rng = random.Random(2)
+    reqs = []
+    for i in range(8):
+        prompt = [rng.randrange(1, 40) for _ in range(rng.randrange(30, 50))]
+        sched.add(f"r{i}", prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        reqs.append((sched.requests[f"r{i}"], prompt))
+    drive(sched, overlap=False, max_steps=3000)
+    assert sched.retractions > 0
+    for req, prompt in reqs:
+        assert req.output_ids == expected(prompt, 30)
+    assert sched.pool.used_slots == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prompts_that_fill_the_cache_half_prefilled_are_retracted_not_stalled(overlap):
+    """Two chunked prompts that each fit the cache alone, admitted together, fill it half-way each:
+    neither can grow, nothing decodes; the newest goes back to wait, and both finish."""
+    sched = make(num_slots=64, chunk=16, budget=64, rows=4, max_running=4)
+    prompts = [[1 + i % 40 for i in range(60)], [2 + i % 40 for i in range(60)]]
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    reqs = [sched.requests["r0"], sched.requests["r1"]]
+    drive(sched, overlap=overlap, max_steps=500)
+    assert sched.retractions > 0
+    assert [r.output_ids for r in reqs] == [expected(p, 4) for p in prompts]
