@@ -10,10 +10,6 @@ from engine.args import parse_args
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.role != "unified":
-        print(f"error: --role {args.role} needs prefill/decode disaggregation, which this build does not have yet; "
-              "run with --role unified (the default)", file=sys.stderr)
-        return 2
     from server.launch import serve
     try:
         import uvloop

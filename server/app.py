@@ -18,6 +18,7 @@ import hmac
 import logging
 import socket
 import time
+from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,29 @@ def create_app(args: ServerArgs, engine: EngineClient, tokenizer: PreTrainedToke
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def create_prefill_app(args: ServerArgs, engine: EngineClient) -> web.Application:
+    """A prefill node's HTTP port: /health and /metrics; its work comes over the bootstrap port."""
+    app = web.Application(middlewares=[error_middleware, api_key_middleware(args.api_key)])
+    app[PREFILL_CONTEXT] = SimpleNamespace(engine=engine, metrics=Metrics(engine))
+    app.router.add_get("/health", prefill_health)
+    app.router.add_get("/metrics", prefill_metrics)
+    return app
+
+
+PREFILL_CONTEXT = web.AppKey("tandem_prefill", SimpleNamespace)
+
+
+async def prefill_health(request: web.Request) -> web.Response:
+    if request.app[PREFILL_CONTEXT].engine.is_healthy():
+        return json_response({"role": "prefill"})
+    raise APIError(503, "The engine is not healthy.", code="engine_dead")
+
+
+async def prefill_metrics(request: web.Request) -> web.Response:
+    body = request.app[PREFILL_CONTEXT].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 def tokenize_pool(tokenizer) -> ThreadPoolExecutor:

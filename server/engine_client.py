@@ -50,6 +50,7 @@ class EngineClient(ABC):
         """The latest gauges from each rank that is up."""
 
     restarts = 0        # rank processes restarted after they died
+    pd_stats = None     # prefill/decode: the node's rooms and transfers (server/pd/rooms.py: PdStats)
 
     def ranks_up(self) -> int:
         """Rank processes serving now."""

@@ -23,38 +23,82 @@ ERROR_FLUSH_S = 2.0         # after ending the last requests: time for their han
 
 
 async def serve(args: ServerArgs) -> int:
-    from transformers import AutoTokenizer
-    from server.app import create_app
-
+    """Run the node --role says until a signal stops it (0) or its ranks keep dying (1)."""
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    engine = RankEngineClient(args)
     signals = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    engine, bootstrap = make_engine(args)
     try:
         readies = await engine.start()
+        if bootstrap is not None:
+            await bootstrap.start()
+        runner = await start_http(args, engine, readies)
     except BaseException:
         await engine.close()
         raise
-    context_length = min(r.context_length for r in readies)
-    for r in readies:
-        log.info("rank %d ready: %s, %d KV tokens", r.rank, r.description, r.kv_total)
-    runner = web.AppRunner(create_app(args, engine, tokenizer, context_length), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    log.info("serving %s on http://%s:%d (start-up %.1f s, overlap %s)", args.model_name, args.host, args.port,
-             time.perf_counter() - started, "on" if args.enable_overlap else "off")
+    log.info("serving %s as %s on http://%s:%d (start-up %.1f s, overlap %s)%s", args.model_name, args.role,
+             args.host, args.port, time.perf_counter() - started, "on" if args.enable_overlap else "off",
+             f"; decode nodes connect to port {args.disaggregation_bootstrap_port}" if bootstrap else "")
     try:
         code = await wait_for_stop(engine, signals)
         if code == 0:
             await drain(engine, signals, args.shutdown_timeout)
     finally:
         log.info("shutting down")
+        if bootstrap is not None:
+            await bootstrap.close()
         await runner.cleanup()
         await engine.close()
     return code
+
+
+def make_engine(args: ServerArgs):
+    """The node's engine client, and a prefill node's bootstrap server (None on other roles)."""
+    if args.role == "unified":
+        return RankEngineClient(args), None
+    from server.pd.decode_client import DecodeEngineClient
+    from server.pd.fingerprint import describe, model_fingerprint
+    from server.pd.prefill_server import PrefillServer
+    from server.pd.wire import load_secret
+    identity = fingerprint_inputs(args)
+    fingerprint, secret = model_fingerprint(*identity), load_secret(args.pd_secret)
+    log.info("prefill/decode: %s", describe(*identity))
+    if args.role == "decode":
+        engine = DecodeEngineClient(args, fingerprint, secret)
+        engine.pd_stats = engine.prefill.stats
+        return engine, None
+    engine = RankEngineClient(args)
+    bootstrap = PrefillServer(args, engine, fingerprint, secret)
+    engine.pd_stats = bootstrap.stats
+    return engine, bootstrap
+
+
+def fingerprint_inputs(args: ServerArgs) -> tuple:
+    """What both nodes of a pair must agree on, with "auto" values resolved as the ranks resolve them."""
+    import torch
+    from devices.base import resolve_device_name
+    from engine.models.loader import resolve_dtype
+    dtype = resolve_dtype(args.dtype, torch.device(resolve_device_name(args.device)))
+    return (args.model_path, str(dtype).removeprefix("torch."), args.page_size, args.spec_algorithm, args.num_steps,
+            args.draft_model_path)
+
+
+async def start_http(args: ServerArgs, engine, readies) -> web.AppRunner:
+    from server.app import create_app, create_prefill_app
+    for r in readies:
+        log.info("rank %d ready: %s, %d KV tokens", r.rank, r.description, r.kv_total)
+    if args.role == "prefill":
+        app = create_prefill_app(args, engine)
+    else:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        app = create_app(args, engine, tokenizer, min(r.context_length for r in readies))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    return runner
 
 
 async def wait_for_stop(engine: RankEngineClient, signals: asyncio.Queue) -> int:

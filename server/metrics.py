@@ -66,6 +66,35 @@ class RankStatsCollector(Collector):
         yield from spec_metrics(stats)
 
 
+class PdCollector(Collector):
+    """Prefill/decode transfers of this node (nothing on a unified node)."""
+
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.pd_stats
+        if stats is None:
+            return
+        rooms = GaugeMetricFamily("tandem_pd_rooms", "Transfers in flight by state.", labels=["state"])
+        for state, count in stats.by_state().items():
+            rooms.add_metric([state], count)
+        yield rooms
+        finished = CounterMetricFamily("tandem_pd_rooms_finished", "Transfers ended, done or failed.",
+                                       labels=["state"])
+        for state in ("done", "failed"):
+            finished.add_metric([state], stats.finished.get(state, 0))
+        yield finished
+        failures = CounterMetricFamily("tandem_pd_failures", "Failed transfers by reason.", labels=["reason"])
+        for reason, count in sorted(stats.failures.items()):
+            failures.add_metric([reason], count)
+        yield failures
+        yield CounterMetricFamily("tandem_pd_transferred_bytes", "KV bytes moved between the nodes.",
+                                  value=stats.bytes_total)
+        yield CounterMetricFamily("tandem_pd_transfer_seconds", "Seconds from a transfer's start to its end, summed.",
+                                  value=stats.transfer_seconds)
+
+
 def spec_metrics(stats):
     """Accept-length histogram and draft/verify/extend device time, summed over ranks."""
     width = max((len(s.spec_accept_hist) for s in stats), default=0)
@@ -104,6 +133,7 @@ class Metrics:
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to the end of the response.",
                              buckets=LATENCY_BUCKETS, registry=reg)
         reg.register(RankStatsCollector(engine))
+        reg.register(PdCollector(engine))
         ProcessCollector(registry=reg)          # process_resident_memory_bytes etc. of the front
 
     def render(self) -> bytes:
