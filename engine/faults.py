@@ -8,17 +8,21 @@ run for real (tests/test_fault_isolation.py). Off unless the environment sets it
                                                  (default), in its deferred part (the draft's read
                                                  of a prompt, after the first tokens went out), or
                                                  on the CPU while the step is prepared
+    ...,where=delay,seconds=0.05                 do not raise: the chosen steps take that much
+                                                 longer on the stream (a slow node, for the
+                                                 prefill/decode fault tests)
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from devices.base import Deferred
 
 ENV = "TANDEM_FAULT_INJECT"
-WHERE = ("stream", "deferred", "launch")
+WHERE = ("stream", "deferred", "launch", "delay")
 
 
 class InjectedFault(RuntimeError):
@@ -32,6 +36,7 @@ class FaultInjector:
     step: int | None = None
     times: int = 1
     where: str = "stream"
+    seconds: float = 0.0
 
     @classmethod
     def from_env(cls) -> "FaultInjector | None":
@@ -41,7 +46,8 @@ class FaultInjector:
         fields = dict(part.split("=", 1) for part in text.split(",") if part)
         injector = cls(rid=fields.get("rid"), after=int(fields.get("after", 0)),
                        step=int(fields["step"]) if "step" in fields else None,
-                       times=int(fields.get("times", 1)), where=fields.get("where", "stream"))
+                       times=int(fields.get("times", 1)), where=fields.get("where", "stream"),
+                       seconds=float(fields.get("seconds", 0.0)))
         if injector.where not in WHERE or (injector.rid is None) == (injector.step is None):
             raise ValueError(f"{ENV}={text!r}: give rid= or step=, and where= one of {WHERE}")
         return injector
@@ -55,21 +61,28 @@ class FaultInjector:
                    for seq in batch.seqs)
 
     def wrap(self, batch, work: Callable[[], Any]) -> Callable[[], Any]:
-        """`work`, made to raise where this hook says when it chooses `batch`."""
+        """`work`, made to raise (or wait) where this hook says when it chooses `batch`."""
         if not self.chooses(batch):
             return work
         message = f"fault injected into step {batch.step} ({self.where})"
-        if self.where != "deferred":
-            self.times -= 1
-            if self.where == "launch":
-                raise InjectedFault(message)
+        if self.where == "deferred":
+            return self.failing_rest(work, message)
+        self.times -= 1
+        if self.where == "launch":
+            raise InjectedFault(message)
+        if self.where == "delay":
+            return lambda: (time.sleep(self.seconds), work())[1]
 
         def failing() -> Any:
-            if self.where == "stream":
-                raise InjectedFault(message)
+            raise InjectedFault(message)
+        return failing
+
+    def failing_rest(self, work: Callable[[], Any], message: str) -> Callable[[], Any]:
+        """`work` whose deferred part raises (only a step with deferred work counts)."""
+        def failing() -> Any:
             result = work()
             if not isinstance(result, Deferred) or self.times <= 0:
-                return result                       # only a step with deferred work counts
+                return result
             self.times -= 1
 
             def rest() -> None:

@@ -22,10 +22,14 @@ class PdPair:
         return self.decode.url
 
 
-def start_pair(prefill_flags: list[str], decode_flags: list[str], log_dir: Path, common: list[str] = ()) -> PdPair:
+def start_prefill(port: int, flags: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
+    return Server(["--role", "prefill", "--disaggregation-bootstrap-port", str(port), *flags], log, env)
+
+
+def start_pair(prefill_flags: list[str], decode_flags: list[str], log_dir: Path, common: list[str] = (),
+               prefill_env: dict[str, str] | None = None) -> PdPair:
     port = free_port()
-    prefill = Server(["--role", "prefill", "--disaggregation-bootstrap-port", str(port), *common, *prefill_flags],
-                     log_dir / "prefill.log")
+    prefill = start_prefill(port, [*common, *prefill_flags], log_dir / "prefill.log", prefill_env)
     try:
         prefill.wait_healthy()
         decode = Server(["--role", "decode", "--prefill-addr", f"127.0.0.1:{port}", *common, *decode_flags],
@@ -43,8 +47,9 @@ def start_pair(prefill_flags: list[str], decode_flags: list[str], log_dir: Path,
 
 
 @contextlib.contextmanager
-def pd_pair(prefill_flags: list[str], decode_flags: list[str], log_dir: Path, common: list[str] = ()):
-    pair = start_pair(prefill_flags, decode_flags, log_dir, common)
+def pd_pair(prefill_flags: list[str], decode_flags: list[str], log_dir: Path, common: list[str] = (),
+            prefill_env: dict[str, str] | None = None):
+    pair = start_pair(prefill_flags, decode_flags, log_dir, common, prefill_env)
     try:
         yield pair
     finally:
@@ -64,11 +69,16 @@ async def wait_idle(session: aiohttp.ClientSession, *urls: str, timeout: float =
         texts = [await metrics(session, url) for url in urls]
         if all(metric(t, "tandem_kv_slots_used") == 0 and metric(t, "tandem_num_running_reqs") == 0
                and metric(t, "tandem_num_waiting_reqs") == 0 and metric(t, "tandem_kv_slots_total") > 0
-               for t in texts):
+               and not open_rooms(t) for t in texts):
             return texts
         assert asyncio.get_running_loop().time() < deadline, "KV still in use:\n" + "\n".join(
             line for t in texts for line in t.splitlines() if line.startswith("tandem_kv") or "pd_rooms" in line)
         await asyncio.sleep(0.3)
+
+
+def open_rooms(text: str) -> float:
+    """Transfers still in flight, by the node's gauges."""
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("tandem_pd_rooms{"))
 
 
 async def generate(session: aiohttp.ClientSession, url: str, ids: list[int], max_new: int, **params) -> dict:

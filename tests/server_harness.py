@@ -24,14 +24,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, flags: list[str], log: Path):
+    def __init__(self, flags: list[str], log: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "w") as out:
             self.process = subprocess.Popen([sys.executable, "run.py", "--port", str(self.port), *flags], cwd=REPO,
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+                                            start_new_session=True, env={**os.environ, **(env or {})})
 
     def wait_healthy(self) -> "Server":
         deadline = time.monotonic() + START_TIMEOUT_S
