@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,11 +81,13 @@ class PrefillExporter:
     def __init__(self, core: "EngineCore", channel: "Channel"):
         self.core, self.channel = core, channel
         self.rids: set[str] = set()
+        self.started: dict[str, float] = {}          # for the trace: when each prefill arrived
         self.outbox: asyncio.Queue = asyncio.Queue()
         core.launch_observers.append(self.export_chunks)
 
     def add(self, rid: str) -> None:
         self.rids.add(rid)
+        self.started[rid] = time.perf_counter()
 
     def export_chunks(self, flight: "InFlight") -> None:
         """Right after a batch is launched: launch the export of its prefill-only chunks."""
@@ -102,7 +105,10 @@ class PrefillExporter:
         if req.rid not in self.rids:
             return False
         self.rids.discard(req.rid)
+        started = self.started.pop(req.rid, None)
         if req.finish_reason in ("length", "stop"):
+            self.core.tracer.span("transfer", f"prefill out {req.rid}", started, time.perf_counter(),
+                                  tokens=len(req.input_ids))
             self.outbox.put_nowait(FirstToken(req))
             return True
         return False
@@ -145,10 +151,15 @@ class RemoteKv:
         self.core, self.channel = core, channel
         self.writes: set[asyncio.Task] = set()
         self.failed: list[Request] = []       # failed by a write on the stream: news for the rank
+        self.reserved_at: dict[str, float] = {}    # for the trace: reservation to activation
 
     def reserve(self) -> None:
         """Tell the front about every request that just got room for its KV."""
+        reserved = self.core.scheduler.reserved
+        for rid in [rid for rid in self.reserved_at if rid not in reserved]:
+            del self.reserved_at[rid]             # aborted before its KV came
         for req in self.core.scheduler.reserve_remote():
+            self.reserved_at[req.rid] = time.perf_counter()
             self.channel.send_nowait(PrefillReserved(req.rid))
 
     def take_failed(self) -> list[Request]:
@@ -193,6 +204,8 @@ class RemoteKv:
         self.watch(req, runner.device.launch(
             lambda: runner.activate_row(req.row, slots, draft_row, token_ids, msg.kv_len)))
         self.core.scheduler.activate(req, msg.first_token, msg.logprob, msg.top_logprobs, msg.record)
+        started = self.reserved_at.pop(req.rid, time.perf_counter())
+        self.core.tracer.span("transfer", f"kv in {req.rid}", started, time.perf_counter(), tokens=msg.kv_len)
         return [req]
 
     def fail(self, req: Request, message: str) -> list[Request]:

@@ -8,7 +8,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-TRACKS = {"schedule": 1, "launch": 2, "device": 3, "process": 4}
+TRACKS = {"schedule": 1, "launch": 2, "device": 3, "process": 4, "transfer": 5}
 
 
 class Tracer:

@@ -95,3 +95,19 @@ async def test_pd_seeded_sampling_equals_unified(config, tmp_path):
         async with aiohttp.ClientSession() as session:
             outputs = [await generate(session, pair.url, ids, NEW_TOKENS, **params) for ids in prompts]
     assert [o["output_ids"] for o in outputs] == reference
+
+
+async def test_transfers_appear_in_each_nodes_trace(tmp_path):
+    import json
+    traces = {role: tmp_path / f"{role}.trace.json" for role in ("prefill", "decode")}
+    prompts = prompts_for(DENSE)[:3]
+    with pd_pair(["--trace-file", str(traces["prefill"])], ["--trace-file", str(traces["decode"])], tmp_path,
+                 common=["--model-path", str(DENSE), *CHUNK, "--speculative-algorithm", "none"]) as pair:
+        async with aiohttp.ClientSession() as session:
+            for ids in prompts:
+                await generate(session, pair.url, ids, 4)
+    spans = {role: [e for e in json.loads(path.read_text()) if e.get("ph") == "X" and e.get("tid") == 5]
+             for role, path in traces.items()}
+    assert [e["args"]["tokens"] for e in spans["prefill"]] == [len(ids) for ids in prompts]
+    assert [e["args"]["tokens"] for e in spans["decode"]] == [len(ids) for ids in prompts]
+    assert all(e["name"].startswith("kv in") and e["dur"] > 0 for e in spans["decode"])
