@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,15 @@ DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # bench/results/standalone_off.txt); on a GPU, where a draft step is cheap next to the target, pass a
 # larger N or 0.
 DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 2, "ngram": 0}
+
+
+def is_moe(model_path: str) -> bool:
+    """The checkpoint's config has experts (config.json's num_experts / num_local_experts)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (config.get("num_experts") or config.get("num_local_experts") or 0) > 1
 
 
 def flag(default, help: str, choices=None):
@@ -86,6 +96,18 @@ class ServerArgs:
               + ", ".join(f"{k} {v}" for k, v in DEFAULT_SPEC_OFF_BATCH_SIZE.items()) + ".")
     dp_size: int = flag(1, "Data-parallel ranks: independent engine processes, each with its own KV cache; "
                            "the front sends each request to the least loaded one.")
+    enable_dp_attention: bool = flag(False, "With --dp-size N on a MoE model: the N ranks keep their own requests "
+                                            "and KV (data-parallel attention) and split the experts (expert-parallel "
+                                            "MoE), stepping in lockstep over torch.distributed.")
+    load_balance_method: str = flag("shortest_queue", "How the front picks a rank for a request: round_robin, the "
+                                                      "one with the fewest requests (shortest_queue) or the fewest "
+                                                      "tokens in flight (total_tokens).",
+                                    ["round_robin", "shortest_queue", "total_tokens"])
+    nnodes: int = flag(1, "DP attention across hosts: how many hosts run the group's ranks (--dp-size in all).")
+    node_rank: int = flag(0, "DP attention across hosts: this host's index (0 runs the HTTP front).")
+    dist_init_addr: str | None = flag(None, "DP attention: HOST:PORT of the group's rendezvous (rank 0's host); "
+                                            "default: a free local port (one host). The front of node 0 also "
+                                            "takes the other nodes' ranks on PORT + 1.")
     cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank's CPU stream, where the model runs "
                                          "(default: the cores per rank); the rank loop itself uses one.")
     stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
@@ -171,10 +193,24 @@ class ServerArgs:
             raise ValueError("--max-request-bytes must be at least 1024, --max-rank-restarts and "
                              "--shutdown-timeout at least 0")
         self.validate_disaggregation()
+        self.validate_dp_attention()
         if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,
                self.max_prefill_tokens, self.dp_size) < 1:
             raise ValueError("--page-size, --max-running-requests, --chunked-prefill-size, --max-prefill-tokens, "
                              "--stream-interval and --dp-size must be positive")
+
+    def validate_dp_attention(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--node-rank must be in [0, --nnodes)")
+        if self.nnodes > 1 and (not self.enable_dp_attention or not self.dist_init_addr):
+            raise ValueError("--nnodes > 1 needs --enable-dp-attention and --dist-init-addr HOST:PORT")
+        if self.enable_dp_attention and self.dp_size % self.nnodes:
+            raise ValueError(f"--dp-size {self.dp_size} must be a multiple of --nnodes {self.nnodes}")
+        if self.enable_dp_attention and self.dp_size < 2:
+            raise ValueError("--enable-dp-attention needs --dp-size 2 or more")
+        if self.enable_dp_attention and not is_moe(self.model_path):
+            raise ValueError(f"--enable-dp-attention is for MoE models (their experts are split over the ranks); "
+                             f"{self.model_path} is dense: use --dp-size alone for independent ranks")
 
     def validate_disaggregation(self) -> None:
         if self.role == "decode" and not self.prefill_addr:

@@ -44,6 +44,7 @@ class ScheduledBatch:
     table_slots: list[int] = field(default_factory=list)   #   allocated position
     sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
     spec: SpecPlan | None = None                           # with speculative decoding
+    idle: bool = False          # DP attention: no rows, run only to keep this rank's collectives in step
 
     @property
     def is_spec_decode(self) -> bool:

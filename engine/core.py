@@ -21,12 +21,14 @@ suspect: EngineBroken ends the rank, and the front starts a new one.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from devices.base import DeferredWorkFailed, Launched
+from engine.dp import DpGroup, GroupBroken, StepPlan
 from engine.model_runner import ModelRunner
 from engine.messages import SamplingParams
 from engine.request import Request, Status
@@ -59,8 +61,10 @@ class Finished:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool, tracer: Tracer | None = None):
-        self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool, tracer: Tracer | None = None,
+                 dp: DpGroup | None = None):
+        self.scheduler, self.runner, self.overlap, self.dp = scheduler, runner, overlap, dp
+        self.plan = StepPlan(run=True, stop=False)        # DP attention: what the group agreed last
         self.tracer = tracer or Tracer(None, 0)
         self.meter = OverlapMeter()
         self.in_flight: InFlight | None = None
@@ -76,11 +80,12 @@ class EngineCore:
     def busy(self) -> bool:
         return self.in_flight is not None or self.scheduler.has_work
 
-    async def step(self) -> list[Request]:
-        """One iteration; returns the requests with news for the front (outputs, or their end)."""
+    async def step(self, stopping: bool = False) -> list[Request]:
+        """One iteration; returns the requests with news for the front (outputs, or their end).
+        With DP attention the group first agrees on the step (`stopping`: this rank wants to stop)."""
         if self.broken:
             raise self.broken
-        launched = self.schedule_and_launch()
+        launched = await self.schedule_and_launch(stopping)
         self.stalled = launched is None and self.in_flight is None      # nothing to run until something changes
         news: list[Request] = []
         if self.in_flight:
@@ -126,14 +131,17 @@ class EngineCore:
 
     # ---- launch ----------------------------------------------------------------------
 
-    def schedule_and_launch(self) -> InFlight | None:
+    async def schedule_and_launch(self, stopping: bool) -> InFlight | None:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        if self.dp is not None:
+            batch = await self.agree(batch, stopping)
+            scheduled = time.perf_counter()
         if batch is None:
             self.meter.cpu(start, scheduled)
             return None
-        flight = InFlight(batch, self.launch(batch))
+        flight = self.launch_idle(batch) if batch.idle else InFlight(batch, self.launch(batch))
         for observe in self.launch_observers:
             observe(flight)
         end = time.perf_counter()
@@ -142,6 +150,21 @@ class EngineCore:
                          seqs=len(batch.seqs), tokens=batch.num_tokens)
         self.tracer.span("launch", f"launch {batch.step}", scheduled, end)
         return flight
+
+    async def agree(self, batch: ScheduledBatch | None, stopping: bool) -> ScheduledBatch | None:
+        """DP attention: exchange with the group (in a thread: the loop goes on meanwhile); when
+        another rank has a batch and this one has none, an idle batch keeps the collectives in step."""
+        start = time.perf_counter()
+        self.plan = await asyncio.to_thread(self.dp.agree, batch is not None, stopping)
+        self.tracer.span("schedule", "sync", start, time.perf_counter())
+        if batch is None and self.plan.run:
+            self.dp.idle_steps += 1
+            return ScheduledBatch(step=self.scheduler.step, seqs=[], input_ids=[], idle=True)
+        return batch
+
+    def launch_idle(self, batch: ScheduledBatch) -> InFlight:
+        runner = self.runner
+        return InFlight(batch, runner.device.launch(lambda: runner.idle_step(decode=False)))
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         """The batch on the device stream; an error while preparing it fails it like a device error."""
@@ -155,12 +178,14 @@ class EngineCore:
     async def finish(self, flight: InFlight, behind: InFlight | None) -> list[Request]:
         try:
             result = await flight.launched
+        except GroupBroken:
+            raise                      # the group is gone: this rank cannot go on alone
         except Exception as exc:       # the step failed: isolate it
             return self.step_failed(flight, exc, behind)
         finally:
             self.account_device(flight)
         self.last_awaited = flight
-        if flight.void:
+        if flight.void or flight.batch.idle:
             return []
         start = time.perf_counter()
         try:
@@ -203,6 +228,8 @@ class EngineCore:
                 if voided is not None and not voided.void:
                     voided.void = True
                     self.scheduler.void(voided.batch)
+        if self.dp is not None:        # its forward may have missed the group's collectives: out of step
+            self.broken = EngineBroken(f"a step failed under DP attention ({exc!r}); the group restarts")
         if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:     # raised by the next step(), after this news
             self.broken = EngineBroken(f"{self.consecutive_failures} steps in a row failed; the last: {exc!r}")
         return list({id(req): req for req in news}.values())

@@ -126,6 +126,9 @@ class RankStats(msgspec.Struct, tag=True):
     spec_off_steps: int = 0               # decode steps without speculation (under load)
     failed_steps: int = 0                 # launched steps that raised; their requests got errors
     resident_memory_bytes: int = 0        # the rank process's RSS
+    dp_idle_steps: int = 0                # DP attention: steps run with no rows to keep in step with the group
+    dp_padding_tokens: int = 0            # DP attention: rows the MoE exchange padded to the group's largest
+    dp_sync_seconds: float = 0.0          # DP attention: time in the per-step exchange
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -18,7 +18,9 @@ from engine.batch import ScheduledBatch
 from engine.faults import FaultInjector
 from engine.future_map import FutureMap
 from engine.models.attention import KVCache, attention_groups, build_attention_batch, padded_width
+from engine.dp import DpGroup
 from engine.models.loader import load_model, resolve_dtype
+from engine.models.moe import shard_experts
 from engine.sampling import SamplingBatch, sample
 from engine.step import RequestState, SpecInputs, StepInputs, StepResult, Target, step_result
 from spec.base import SpecWorker, create_spec_worker
@@ -29,10 +31,12 @@ CPU_DEFAULT_KV_TOKENS = 65536
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, device: Device, future_slots: int):
+    def __init__(self, args: ServerArgs, device: Device, future_slots: int, dp: DpGroup | None = None):
         self.args, self.device = args, device
         self.dtype = resolve_dtype(args.dtype, device.torch_device)
         self.model, self.hf_config = load_model(args.model_path, self.dtype, device.torch_device)
+        if dp is not None and not shard_experts(self.model, dp):
+            raise ValueError(f"--enable-dp-attention: {args.model_path} has no MoE layers to split over the ranks")
         self.context_length = args.context_length or self.hf_config.max_position_embeddings
         self.spec_tokens = args.num_steps + 1 if args.num_steps else 0
         # Speculative steps may write up to two steps (2 * (k+1) positions) past the committed length

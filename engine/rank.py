@@ -18,6 +18,7 @@ from devices.base import Device
 from engine.args import ServerArgs
 from engine.core import EngineCore, Finished
 from engine.kv_pool import KVPool
+from engine.dp import DpGroup
 from engine.disagg import PrefillExporter, RemoteKv, prefill_params
 from engine.messages import (AbortRequest, AddRequest, KvLayer, PrefillDone, RankStats, RequestFailed,
                              RequestRejected, Shutdown, TokenDelta)
@@ -31,6 +32,7 @@ from engine.wire import Channel
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.5
+DP_IDLE_S = 0.005           # DP attention, nothing to run anywhere: how long before the next exchange
 LOG_INTERVAL = 10.0
 
 
@@ -48,21 +50,24 @@ def decode_policy(args: ServerArgs, runner: ModelRunner) -> DecodePolicy:
     return SpeculativeDecoding(runner.spec_tokens, args.spec_off_batch_size, runner.worker.catches_up)
 
 
-def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None) -> EngineCore:
+def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None,
+               dp: DpGroup | None = None) -> EngineCore:
     """The model runner, KV pool, decode policy and scheduler of one rank, wired as the rank runs them."""
     future_slots = 2 * args.max_running_requests + 2        # two batches of outputs in flight
-    runner = ModelRunner(args, device, future_slots)
+    runner = ModelRunner(args, device, future_slots, dp)
     device.order_after_setup()
     pool = KVPool(runner.num_slots, args.page_size, runner.num_rows)
     scheduler = Scheduler(scheduler_config(args, runner, future_slots), pool, eos_ids, decode_policy(args, runner))
-    return EngineCore(scheduler, runner, args.enable_overlap, tracer)
+    return EngineCore(scheduler, runner, args.enable_overlap, tracer, dp)
 
 
 class Rank:
-    def __init__(self, args: ServerArgs, rank: int, device: Device, channel: Channel, eos_ids: frozenset[int]):
+    def __init__(self, args: ServerArgs, rank: int, device: Device, channel: Channel, eos_ids: frozenset[int],
+                 dp: DpGroup | None = None):
         self.args, self.rank, self.device, self.channel = args, rank, device, channel
         self.tracer = Tracer(args.trace_file, rank)
-        self.core = build_core(args, device, eos_ids, self.tracer)
+        self.core = build_core(args, device, eos_ids, self.tracer, dp)
+        self.dp = dp
         self.core.observers.append(self.account)
         self.runner, self.scheduler, self.pool = self.core.runner, self.core.scheduler, self.core.scheduler.pool
         self.exporter = PrefillExporter(self.core, channel)     # requests prefilled here for a decode node
@@ -82,16 +87,16 @@ class Rank:
         reader = asyncio.create_task(self.read_front())
         exporter = asyncio.create_task(self.exporter.run())
         try:
-            while not self.stopping:
+            while not self.done():
                 self.take_inbox()
                 self.remote.reserve()
-                self.send_news(await self.core.step() + self.remote.take_failed())
+                self.send_news(await self.core.step(self.stopping) + self.remote.take_failed())
                 if self.core.broken:
                     await self.channel.writer.drain()       # the failed requests hear of it first
                     raise self.core.broken
                 self.report()
-                if not self.core.busy or self.core.stalled:
-                    await self.idle()
+                if self.has_nothing_to_do():
+                    await self.idle(DP_IDLE_S if self.dp else STATS_INTERVAL)
             self.send_news(await self.core.drain())
             await self.channel.writer.drain()
         finally:
@@ -113,11 +118,22 @@ class Rank:
             self.tracer.span("device", phase, t, t + seconds)
             t += seconds
 
-    async def idle(self) -> None:
+    def done(self) -> bool:
+        """Stop: asked to (with DP attention, once the whole group agreed to)."""
+        return self.core.plan.stop if self.dp else self.stopping
+
+    def has_nothing_to_do(self) -> bool:
+        """Wait for news before the next step. With DP attention only when no rank of the group had
+        a batch: the others would wait for this rank's next exchange."""
+        if self.dp:
+            return not self.core.plan.run and self.core.in_flight is None
+        return not self.core.busy or self.core.stalled
+
+    async def idle(self, timeout: float) -> None:
         self.wake.clear()
         if not self.inbox:
             try:
-                await asyncio.wait_for(self.wake.wait(), STATS_INTERVAL)
+                await asyncio.wait_for(self.wake.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
         await self.channel.writer.drain()
@@ -225,7 +241,13 @@ class Rank:
                          spec_accept_len=self.accept_length(), spec_accept_hist=list(self.accept_hist),
                          spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist),
                          spec_off_steps=self.scheduler.policy.off_steps, failed_steps=self.core.failed_steps,
-                         resident_memory_bytes=resident_memory_bytes())
+                         resident_memory_bytes=resident_memory_bytes(), **self.dp_stats())
+
+    def dp_stats(self) -> dict:
+        if self.dp is None:
+            return {}
+        return {"dp_idle_steps": self.dp.idle_steps, "dp_padding_tokens": self.dp.padding_tokens,
+                "dp_sync_seconds": self.dp.sync_seconds}
 
 
 def resident_memory_bytes() -> int:

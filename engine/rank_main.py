@@ -15,6 +15,7 @@ from devices.base import create_device
 from engine.args import ServerArgs
 from engine.messages import RankReady, ToRank
 from engine.core import EngineBroken
+from engine.dp import DpGroup, GroupBroken
 from engine.rank import Rank
 from engine.wire import Channel
 
@@ -36,15 +37,26 @@ def eos_token_ids(model_path: str, config) -> frozenset[int]:
     return frozenset(ids)
 
 
+async def connect_front(address: str) -> Channel:
+    """The front's socket: a unix path, or tcp://HOST:PORT (ranks on another host)."""
+    if address.startswith("tcp://"):
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+    else:
+        reader, writer = await asyncio.open_unix_connection(address)
+    return Channel(reader, writer, ToRank)
+
+
 async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
-    reader, writer = await asyncio.open_unix_connection(socket_path)
-    channel = Channel(reader, writer, ToRank)
-    device = create_device(args.device, rank)
+    device = create_device(args.device, rank % (args.dp_size // args.nnodes))
     device.set_threads(cpu_threads(args))
+    dp = DpGroup(rank, args.dp_size, args.dist_init_addr, device.collective_backend) \
+        if args.enable_dp_attention else None
+    channel = await connect_front(socket_path)
     # eos ids come from the checkpoint's own config files
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(args.model_path)
-    worker = Rank(args, rank, device, channel, eos_token_ids(args.model_path, config))
+    worker = Rank(args, rank, device, channel, eos_token_ids(args.model_path, config), dp)
     # SIGTERM (a process-group kill, say): the front drives the shutdown; stop anyway if it never does
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: loop.call_later(args.shutdown_timeout + TERM_GRACE_S, worker.stop))
@@ -56,14 +68,19 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     except EngineBroken as exc:
         log.error("rank %d: %s; exiting so that the front starts a new rank", rank, exc)
         raise SystemExit(3) from None
+    except GroupBroken as exc:
+        log.error("rank %d: %s; exiting so that the front restarts the group", rank, exc)
+        raise SystemExit(4) from None
     finally:
         device.close()
         channel.close()
+        if dp is not None:
+            dp.close()
 
 
 def cpu_threads(args: ServerArgs) -> int:
     """Intra-op threads of the CPU stream (the worker thread that runs the model)."""
-    return args.cpu_threads or max(1, (os.cpu_count() or 1) // args.dp_size)
+    return args.cpu_threads or max(1, (os.cpu_count() or 1) // (args.dp_size // args.nnodes))
 
 
 def rank_main(args: ServerArgs, rank: int, socket_path: str) -> None:

@@ -24,6 +24,9 @@ ERROR_FLUSH_S = 2.0         # after ending the last requests: time for their han
 
 async def serve(args: ServerArgs) -> int:
     """Run the node --role says until a signal stops it (0) or its ranks keep dying (1)."""
+    if args.node_rank > 0:
+        from server.remote_ranks import serve_remote_ranks
+        return await serve_remote_ranks(args)
     started = time.perf_counter()
     signals = asyncio.Queue()
     loop = asyncio.get_running_loop()

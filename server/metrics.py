@@ -58,6 +58,12 @@ class RankStatsCollector(Collector):
                                   "errors (since the ranks started).", value=total("failed_steps"))
         yield GaugeMetricFamily("tandem_rank_resident_memory_bytes", "Resident memory of the rank processes.",
                                 value=total("resident_memory_bytes"))
+        yield CounterMetricFamily("tandem_dp_idle_steps", "DP attention: steps ranks ran with no rows, to keep "
+                                  "in step with their group.", value=total("dp_idle_steps"))
+        yield CounterMetricFamily("tandem_dp_padding_tokens", "DP attention: rows the MoE exchange padded to the "
+                                  "group's largest.", value=total("dp_padding_tokens"))
+        yield CounterMetricFamily("tandem_dp_sync_seconds", "DP attention: seconds ranks spent in the per-step "
+                                  "exchange (summed over ranks).", value=total("dp_sync_seconds"))
         yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without speculation because as many "
                                   "requests decoded as --speculative-disable-by-batch-size.",
                                   value=total("spec_off_steps"))

@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import tempfile
 import time
 from collections import deque
@@ -46,8 +47,21 @@ class RankLink:
         self.stats: RankStats | None = None
         self.alive = False
         self.connected: asyncio.Future | None = None     # resolved with (channel, RankReady) by the socket server
-        self.load = 0
+        self.load = 0                     # requests in flight
+        self.tokens = 0                   # their prompt and output budgets, in tokens
         self.tasks: list[asyncio.Task] = []
+
+
+def remote_rank_address(args: ServerArgs) -> tuple[str, int]:
+    """Where node 0's front takes the ranks of the other hosts: the rendezvous port + 1."""
+    host, _, port = args.dist_init_addr.rpartition(":")
+    return host, int(port) + 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def describe_exit(code: int | None) -> str:
@@ -62,6 +76,7 @@ class RankEngineClient(EngineClient):
     def __init__(self, args: ServerArgs):
         self.args = args
         self.links = [RankLink(rank) for rank in range(args.dp_size)]
+        self.rank_args = self.with_group_address(args)          # what the rank processes are started with
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, RankLink] = {}
         self.round_robin = itertools.count()
@@ -69,6 +84,7 @@ class RankEngineClient(EngineClient):
         self.socket_dir = tempfile.mkdtemp(prefix="tandem-")
         self.socket_path = os.path.join(self.socket_dir, "front.sock")
         self.server: asyncio.AbstractServer | None = None
+        self.remote_server: asyncio.AbstractServer | None = None
         self.deaths: deque[float] = deque()    # monotonic times of rank deaths in the restart window
         self.restarts = 0
         self.gave_up = asyncio.Event()
@@ -81,8 +97,15 @@ class RankEngineClient(EngineClient):
 
     async def start(self) -> list[RankReady]:
         self.server = await asyncio.start_unix_server(self.on_connect, path=self.socket_path)
+        if self.args.nnodes > 1:                  # ranks on the other hosts connect over TCP
+            host, port = remote_rank_address(self.args)
+            self.remote_server = await asyncio.start_server(self.on_connect, host, port)
         await asyncio.gather(*[self.bring_up(link) for link in self.links])
         return [link.ready for link in self.links]
+
+    def is_local(self, link: RankLink) -> bool:
+        """This host runs the rank's process (--nnodes > 1: the others run theirs)."""
+        return link.rank < self.args.dp_size // self.args.nnodes
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A rank process connected: its first frame says which rank it is."""
@@ -101,10 +124,18 @@ class RankEngineClient(EngineClient):
         link.connected.set_result((channel, ready))
 
     async def bring_up(self, link: RankLink) -> None:
-        """Start the rank's process and wait until its model is loaded and it is connected."""
-        ctx = mp.get_context("spawn")
+        """Start the rank's process and wait until its model is loaded and it is connected (a rank of
+        another host: only wait for it, its host starts it)."""
         link.connected = asyncio.get_running_loop().create_future()
-        link.process = ctx.Process(target=rank_main, args=(self.args, link.rank, self.socket_path),
+        if not self.is_local(link):
+            try:
+                await asyncio.wait_for(asyncio.shield(link.connected), START_TIMEOUT)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"rank {link.rank} (another host) did not connect in time") from None
+            self.attach(link)
+            return
+        ctx = mp.get_context("spawn")
+        link.process = ctx.Process(target=rank_main, args=(self.rank_args, link.rank, self.socket_path),
                                    name=f"tandem-rank{link.rank}", daemon=True)
         link.process.start()
         deadline = time.monotonic() + START_TIMEOUT
@@ -116,9 +147,14 @@ class RankEngineClient(EngineClient):
                 link.process.kill()
                 raise RuntimeError(f"rank {link.rank} did not start in {START_TIMEOUT:.0f} s")
             await asyncio.wait({link.connected}, timeout=WATCH_INTERVAL_S)
+        self.attach(link)
+
+    def attach(self, link: RankLink) -> None:
         link.channel, link.ready = link.connected.result()
         link.alive = True
-        link.tasks = [asyncio.create_task(self.read_rank(link)), asyncio.create_task(self.watch_process(link))]
+        link.tasks = [asyncio.create_task(self.read_rank(link))]
+        if link.process is not None and self.is_local(link):
+            link.tasks.append(asyncio.create_task(self.watch_process(link)))
 
     async def close(self) -> None:
         """Ask every rank to stop (each finishes its step in flight and flushes its trace), then
@@ -134,8 +170,9 @@ class RankEngineClient(EngineClient):
             await self.reap(link)
             for task in link.tasks:
                 task.cancel()
-        if self.server is not None:
-            self.server.close()
+        for server in (self.server, self.remote_server):
+            if server is not None:
+                server.close()
 
     async def reap(self, link: RankLink) -> None:
         if link.process is None:
@@ -156,7 +193,9 @@ class RankEngineClient(EngineClient):
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         self.owner[rid] = link
+        tokens = len(input_ids) + params.max_new_tokens
         link.load += 1
+        link.tokens += tokens
         finished = False
         self.aborted.discard(rid)
         try:
@@ -174,6 +213,7 @@ class RankEngineClient(EngineClient):
             self.streams.pop(rid, None)
             self.owner.pop(rid, None)
             link.load -= 1
+            link.tokens -= tokens
             if not finished and link.alive and rid not in self.aborted:
                 link.channel.send_nowait(AbortRequest(rid, "abort"))
             self.aborted.discard(rid)
@@ -191,13 +231,18 @@ class RankEngineClient(EngineClient):
             link.channel.send_nowait(AbortRequest(rid, reason))
 
     def pick_rank(self) -> RankLink:
+        """--load-balance-method: in turn, the fewest requests, or the fewest tokens in flight."""
         if self.draining:
             raise EngineDead("the server is shutting down")
         alive = [link for link in self.links if link.alive]
         if not alive:
             raise EngineDead("no rank is running (restarting)" if not self.gave_up.is_set() else "no rank is running")
-        least = min(link.load for link in alive)
-        candidates = [link for link in alive if link.load == least]
+        method = self.args.load_balance_method
+        if method == "round_robin":
+            return alive[next(self.round_robin) % len(alive)]
+        load = (lambda link: link.tokens) if method == "total_tokens" else (lambda link: link.load)
+        least = min(map(load, alive))
+        candidates = [link for link in alive if load(link) == least]
         return candidates[next(self.round_robin) % len(candidates)]
 
     def is_healthy(self) -> bool:
@@ -252,47 +297,77 @@ class RankEngineClient(EngineClient):
         self.rank_died(link, describe_exit(process.exitcode))
 
     def rank_died(self, link: RankLink, why: str) -> None:
-        """Fail its requests, forget its gauges, and start a new process (once per death)."""
-        if not link.alive:
+        """Fail its requests, forget its gauges, and start a new process (once per death). With DP
+        attention the ranks are one group: the others cannot go on without it, so all restart."""
+        if not link.alive or self.closing:
+            link.alive = False
             return
-        link.alive, link.stats = False, None
-        if self.closing:
-            return
-        link.channel.close()
         log.error("rank %d died (%s); failing its %d requests", link.rank, why, link.load)
-        for rid, owner in list(self.owner.items()):
-            if owner is link and rid in self.streams:
-                self.streams[rid].put_nowait(EngineDead(f"rank {link.rank} died: {why}"))
-        task = asyncio.create_task(self.restart(link))
+        group = [other for other in self.links if other.alive] if self.args.enable_dp_attention else [link]
+        for member in group:
+            self.take_down(member, f"rank {link.rank} died: {why}")
+        task = asyncio.create_task(self.restart(group))
         self.supervisors.add(task)
         task.add_done_callback(self.supervisors.discard)
 
-    async def restart(self, link: RankLink) -> None:
+    def take_down(self, link: RankLink, why: str) -> None:
+        link.alive, link.stats = False, None
+        link.channel.close()
+        for rid, owner in list(self.owner.items()):
+            if owner is link and rid in self.streams:
+                self.streams[rid].put_nowait(EngineDead(why))
+
+    async def restart(self, links: list[RankLink]) -> None:
+        await asyncio.gather(*[self.reap_dead(link) for link in links])
+        while True:
+            if not self.count_death():
+                return
+            self.rank_args = self.with_group_address(self.args)
+            names = ", ".join(str(link.rank) for link in links)
+            log.warning("restarting rank %s (restart %d in the window)", names, len(self.deaths))
+            try:
+                await asyncio.gather(*[self.bring_up(link) for link in links])
+            except RuntimeError as exc:
+                log.error("rank %s failed to restart: %s", names, exc)
+                for link in links:
+                    if link.alive:
+                        self.take_down(link, str(exc))       # a group is whole or not at all
+                await asyncio.gather(*[self.reap_dead(link) for link in links])
+                continue
+            self.restarts += 1
+            log.info("rank %s back: %s", names, links[0].ready.description)
+            return
+
+    async def reap_dead(self, link: RankLink) -> None:
+        """Make sure the process is gone, and log how it ended."""
         for task in link.tasks:
             task.cancel()
+        if link.process is None:
+            return
         await asyncio.to_thread(link.process.join, EXIT_GRACE_S)      # it may be ending itself
         if link.process.is_alive():
             link.process.kill()                  # its connection broke: the process is no use any more
             await asyncio.to_thread(link.process.join, EXIT_GRACE_S)
         log.error("rank %d process %d ended: %s", link.rank, link.process.pid, describe_exit(link.process.exitcode))
-        while True:
-            now = time.monotonic()
-            self.deaths.append(now)
-            while self.deaths and now - self.deaths[0] > RESTART_WINDOW_S:
-                self.deaths.popleft()
-            if len(self.deaths) > self.args.max_rank_restarts:
-                self.give_up(f"{len(self.deaths)} rank deaths within {RESTART_WINDOW_S / 60:.0f} minutes "
-                             f"(--max-rank-restarts {self.args.max_rank_restarts})")
-                return
-            log.warning("restarting rank %d (restart %d in the window)", link.rank, len(self.deaths))
-            try:
-                await self.bring_up(link)
-            except RuntimeError as exc:
-                log.error("rank %d failed to restart: %s", link.rank, exc)
-                continue
-            self.restarts += 1
-            log.info("rank %d is back: %s", link.rank, link.ready.description)
-            return
+
+    def count_death(self) -> bool:
+        """Record a death; False (and give up) when there were too many in the window."""
+        now = time.monotonic()
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > RESTART_WINDOW_S:
+            self.deaths.popleft()
+        if len(self.deaths) > self.args.max_rank_restarts:
+            self.give_up(f"{len(self.deaths)} rank deaths within {RESTART_WINDOW_S / 60:.0f} minutes "
+                         f"(--max-rank-restarts {self.args.max_rank_restarts})")
+            return False
+        return True
+
+    @staticmethod
+    def with_group_address(args: ServerArgs) -> ServerArgs:
+        """DP attention on one host: a fresh rendezvous port for each (re)start of the group."""
+        if not args.enable_dp_attention or args.nnodes > 1:
+            return args
+        return args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
 
     def give_up(self, reason: str) -> None:
         self.give_up_reason = reason

@@ -27,3 +27,23 @@ def test_contradictions_are_refused(flags, message, capsys):
         parse_args(flags)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_dp_attention_flags_are_checked():
+    from pathlib import Path
+    moe = str(Path(__file__).resolve().parent.parent / "models" / "tandem-moe")
+    args = parse_args(["--model-path", moe, "--enable-dp-attention", "--dp-size", "2"])
+    assert args.enable_dp_attention and args.nnodes == 1
+    for bad in (["--enable-dp-attention", "--dp-size", "2"],                          # a dense model
+                ["--model-path", moe, "--enable-dp-attention", "--dp-size", "1"],
+                ["--model-path", moe, "--enable-dp-attention", "--dp-size", "3", "--nnodes", "2",
+                 "--dist-init-addr", "127.0.0.1:5000"],
+                ["--model-path", moe, "--dp-size", "2", "--nnodes", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_experts_split_evenly_over_the_ranks():
+    from engine.dp import expert_range
+    assert [expert_range(8, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+    assert [expert_range(8, r, 2) for r in range(2)] == [(0, 4), (4, 8)]

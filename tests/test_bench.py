@@ -35,12 +35,13 @@ METRIC_KEYS = [
 
 # ---- a fake OpenAI-compatible / SGLang-native server ------------------------------
 
-def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1) -> web.Application:
+def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1, pd: bool = False) -> web.Application:
     """Streams exactly max_new_tokens / max_tokens tokens (" t0 t1 ...").
 
     mode: ok | error500 (every request) | flaky (every other request 500) | break (the
     connection drops after two chunks). tokens_per_chunk > 1 imitates speculative decoding
-    and reports spec_verify_ct on /generate.
+    and reports spec_verify_ct on /generate. pd: /metrics also has a PD node's counters, growing
+    by PD_STEP at every scrape.
     """
     calls = {"n": 0}
 
@@ -115,7 +116,8 @@ def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1) 
         scrapes[0] += 1           # phase counters grow as a speculating server's would: draft 1/4 of the time
         return web.Response(text="# TYPE tandem_hidden_cpu_fraction gauge\ntandem_hidden_cpu_fraction 0.75\n"
                                  f'tandem_spec_phase_seconds_total{{phase="draft"}} {scrapes[0] * 0.5}\n'
-                                 f'tandem_spec_phase_seconds_total{{phase="verify"}} {scrapes[0] * 1.5}\n')
+                                 f'tandem_spec_phase_seconds_total{{phase="verify"}} {scrapes[0] * 1.5}\n'
+                                 + (pd_metrics(scrapes[0]) if pd else ""))
 
     app = web.Application()
     app.router.add_post("/generate", generate)
@@ -125,6 +127,20 @@ def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1) 
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+PD_STEP = {"rooms_done": 4.0, "rooms_failed": 1.0, "transferred_bytes": 4e6, "transfer_seconds": 2.0}
+
+
+def pd_metrics(scrapes: int) -> str:
+    """A PD node's counters after `scrapes` scrapes (failures: one timeout per scrape)."""
+    n = {key: step * scrapes for key, step in PD_STEP.items()}
+    return ("# TYPE tandem_pd_rooms gauge\ntandem_pd_rooms{state=\"waiting\"} 0.0\n"
+            f'tandem_pd_rooms_finished_total{{state="done"}} {n["rooms_done"]}\n'
+            f'tandem_pd_rooms_finished_total{{state="failed"}} {n["rooms_failed"]}\n'
+            f'tandem_pd_failures_total{{reason="timeout"}} {n["rooms_failed"]}\n'
+            f'tandem_pd_transferred_bytes_total {n["transferred_bytes"]}\n'
+            f'tandem_pd_transfer_seconds_total {n["transfer_seconds"]}\n')
 
 
 class FakeServer:
@@ -508,6 +524,60 @@ def test_compare_checkout_runs_both_trees_side_by_side(tmp_path):
     assert str(where) not in worktrees
 
 
+# ---- prefill/decode pairs: serving.py --prefill-url and bench/pd_compare.py ------------------
+
+def test_serving_reports_both_pd_nodes_counters_over_the_run(tokenizer_dir, capsys):
+    decode, prefill = FakeServer(pd=True), FakeServer(pd=True)
+    try:
+        m = run(bench_args(decode.url, tokenizer_dir, "--prefill-url", prefill.url))
+        verbose = asyncio.run(serving.run_benchmark(bench_args(decode.url, tokenizer_dir, "--prefill-url",
+                                                               fake_server_url(free_port()))))
+    finally:
+        decode.close()
+        prefill.close()
+    check_sane(m, 8)
+    for node in ("prefill", "decode"):           # scraped once before and once after: one step's worth
+        assert m["pd"][node] == {**PD_STEP, "failures": {"timeout": 1.0}}
+    assert m["pd"]["bytes_per_room"] == pytest.approx(4e6 / 5)
+    assert m["pd"]["decode_room_ms"] == pytest.approx(400.0) and m["pd"]["handoff_ms"] == pytest.approx(0.0)
+    assert m["pd"]["room_share_of_ttft"] == pytest.approx(400.0 / m["mean_ttft_ms"])
+    assert verbose["pd"]["prefill"] is None and verbose["pd"]["decode"] is not None   # a node that cannot answer
+    printed = capsys.readouterr().out
+    assert "PD: decode node" in printed and "no tandem_pd_* counters" in printed
+    assert serving.parse_pd_counters("# HELP x\ntandem_kv_slots_used 3\n") is None          # not a PD node
+    assert "--prefill-url" in cli("bench/serving.py", "--prefill-url", "127.0.0.1:1").stderr
+
+
+def fake_server_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def test_pd_compare_runs_unified_and_a_pinned_pair_on_one_workload(tokenizer_dir, tmp_path):
+    out = tmp_path / "pd.jsonl"
+    pair = "pd-pinned" if len(os.sched_getaffinity(0)) >= 2 else "pd-shared"
+    result = cli("bench/pd_compare.py", "--server-script", "tests/test_bench.py", "--tokenizer", str(tokenizer_dir),
+                 "--dataset-name", "random", "--setups", f"unified-1core,{pair}", "--rounds", "2",
+                 "--short-prompts", "4", "--short-input-len", "8", "--short-output-len", "12",
+                 "--short-range-ratio", "1",
+                 "--long-prompts", "2", "--long-input-len", "64", "--long-output-len", "3", "--long-interval", "0.05",
+                 "--long-start-delay", "0", "--output-file", str(out), "--log-dir", str(tmp_path / "logs"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ITL p99 ms" in result.stdout and "KV MB/room" in result.stdout
+    record = json.loads(out.read_text())
+    unified, pd = record["results"]
+    assert [unified["setup"], pd["setup"]] == ["unified-1core", pair]
+    for row in (unified, pd):
+        assert len(row["runs"]) == 2
+        assert row["median"]["short"]["completed"] == 4 and row["median"]["long"]["completed"] == 2
+        assert row["median"]["short"]["total_output_tokens"] == 4 * 12
+    assert "pd" not in unified["median"] and pd["median"]["pd"]["decode_rooms_done"] == PD_STEP["rooms_done"]
+    commands = record["commands"]
+    assert commands["unified-1core"].startswith("taskset -c ") and "--cpu-threads 1" in commands["unified-1core"]
+    bootstrap = commands[f"{pair}/prefill"].split("--disaggregation-bootstrap-port ")[1].split()[0]
+    assert f"--role decode --prefill-addr 127.0.0.1:{bootstrap}" in commands[f"{pair}/decode"]
+    assert cli("bench/pd_compare.py", "--setups", "unified,nope").returncode == 2
+
+
 # ---- bench/baseline_hf.py on a tiny random model ---------------------------------------
 
 def test_baseline_hf_on_a_tiny_model(tokenizer_dir, tmp_path):
@@ -541,7 +611,9 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--fake-delay", type=float, default=0.002)
     parser.add_argument("--fake-exit", action="store_true")
+    parser.add_argument("--role", default="unified")
     options, _ = parser.parse_known_args()
     if options.fake_exit:
         sys.exit("fake server: asked to fail")
-    web.run_app(fake_app(delay=options.fake_delay), host="127.0.0.1", port=options.port, print=None)
+    web.run_app(fake_app(delay=options.fake_delay, pd=options.role != "unified"), host="127.0.0.1", port=options.port,
+                print=None)

@@ -102,7 +102,15 @@ class LlamaForCausalLM(CausalLM):
             raise ValueError(f"aux capture layers {bad} outside 0..{self.num_layers}")
         self.aux_layer_ids = list(layer_ids)
 
+    dp = None           # a DP-attention group (engine/dp.py) when the MoE layers are expert-parallel
+
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, capture_aux: bool = False) -> ModelOutput:
+        if self.dp is None:
+            return self.run_layers(input_ids, batch, capture_aux)
+        with self.dp.forward_rows(input_ids.shape[0]):      # the group's token counts, for the MoE layers
+            return self.run_layers(input_ids, batch, capture_aux)
+
+    def run_layers(self, input_ids: torch.Tensor, batch: AttentionBatch, capture_aux: bool) -> ModelOutput:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         wanted = set(self.aux_layer_ids) if capture_aux else set()

@@ -17,29 +17,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from typing import TYPE_CHECKING
+
 from engine.models.layers import GatedMLP
 from engine.models.llama import LlamaForCausalLM
 
+if TYPE_CHECKING:
+    from engine.dp import DpGroup
+
 
 class StackedExperts(nn.Module):
-    """E SwiGLU experts held as [E, ...] tensors."""
+    """SwiGLU experts held as [E, ...] tensors: all E, or (expert-parallel) experts
+    [first, first + num_experts) of them."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts = num_experts
+        self.first = 0
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; expert_ids, weights [T, K] -> sum_k weights[t, k] * expert_{ids[t, k]}(x[t]).
+    def keep(self, first: int, last: int) -> None:
+        """Hold only experts [first, last) (expert parallelism); the others' pairs contribute 0 here."""
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.data[first:last].clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj.data[first:last].clone(), requires_grad=False)
+        self.first, self.num_experts = first, last - first
 
-        Token-expert pairs are sorted by expert so each expert runs one matmul on its
-        contiguous slice; the only host sync is reading the per-expert counts."""
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; expert_ids, weights [T, K] -> sum over the k pairs whose expert this module holds
+        of weights[t, k] * expert_{ids[t, k]}(x[t])."""
+        if x.device.type != "cpu":
+            return self.forward_masked(x, expert_ids, weights)
+        return self.forward_grouped(x, expert_ids, weights)
+
+    def forward_grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Pairs sorted by expert so each expert runs one matmul on its contiguous slice (the host
+        reads the per-expert counts: free on the CPU)."""
         top_k = expert_ids.shape[1]
-        flat_experts = expert_ids.reshape(-1)
+        flat_experts = expert_ids.reshape(-1) - self.first
         order = torch.argsort(flat_experts, stable=True)            # pairs grouped by expert
+        held = flat_experts[order]
+        order = order[(held >= 0) & (held < self.num_experts)]       # (all of them unless expert-parallel)
         pair_tokens = order // top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_experts[order], minlength=self.num_experts).tolist()
         inputs = x[pair_tokens]
         outputs = torch.empty_like(inputs)
         start = 0
@@ -52,6 +72,17 @@ class StackedExperts(nn.Module):
         weighted = outputs * weights.reshape(-1)[order, None].to(outputs.dtype)
         return torch.zeros_like(x).index_add_(0, pair_tokens, weighted)
 
+    def forward_masked(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """On accelerators: no host sync (and fixed shapes, for graphs): every held expert reads every
+        row and its output is weighted by the row's weight for it (0 when not routed there). More
+        arithmetic than the grouped path; no data-dependent sizes."""
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            routed = ((expert_ids == expert + self.first) * weights).sum(dim=-1, keepdim=True).to(x.dtype)
+            gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            out += routed * F.linear(F.silu(gate) * up, self.down_proj[expert])
+        return out
+
 
 class SparseMoeBlock(nn.Module):
     """Router softmax over all experts, top-k, optional renormalisation of the k weights."""
@@ -62,13 +93,33 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = StackedExperts(num_experts, hidden, intermediate)
+        self.dp: DpGroup | None = None         # expert-parallel over a DP-attention group (engine/dp.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp is None:
+            return self.mix(x)
+        rows, offset = self.dp.gather_rows(x)          # every rank's tokens
+        return self.dp.sum_rows(self.mix(rows), offset, x.shape[0])
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """Route x's rows and apply the experts this module holds."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(x, expert_ids, weights)
+
+
+def shard_experts(model: nn.Module, dp: "DpGroup") -> int:
+    """Expert parallelism over a DP-attention group: every MoE block keeps its share of the experts
+    and exchanges tokens with the group. Returns the blocks sharded (0: a dense model)."""
+    from engine.dp import expert_range
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        block.experts.keep(*expert_range(block.experts.num_experts, dp.rank, dp.size))
+        block.dp = dp
+    model.dp = dp
+    return len(blocks)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

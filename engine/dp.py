@@ -1,0 +1,123 @@
+"""DP attention: the ranks of a group keep their own requests and KV (attention is data-parallel)
+while the MoE layers are expert-parallel across them, so every forward is a collective.
+
+The invariant the collectives need: **every rank makes the same number of target forwards, in the
+same order.** A step (a prefill batch, or a speculative step's verify) is exactly one target forward
+on every rank; before each step the ranks exchange a few integers on a CPU group (does anyone have a
+batch; is anyone stopping), and a rank with nothing to run then runs an idle step (no rows, the same
+model calls: ModelRunner.idle_step). The draft's forwards (an EAGLE head, a dense draft) are local
+and need no agreement.
+
+Inside a forward the ranks' token counts differ: the first MoE layer all-gathers them (on the
+stream), and every MoE layer then pads its rows to the largest count, all-gathers the hidden states,
+applies this rank's experts to every rank's tokens, and sums the partial outputs over the group (an
+all-reduce; gloo has no reduce-scatter), keeping its own rows. A token's top-k experts are summed in
+the same order as on one rank, so greedy output is that of --dp-size 1.
+
+Every collective has a timeout; a collective that fails means a rank of the group is gone: GroupBroken
+ends this rank too, and the front restarts the whole group.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+COLLECTIVE_TIMEOUT_S = 30
+
+
+class GroupBroken(RuntimeError):
+    """A collective of the DP group failed: some rank is gone. This rank must end too."""
+
+
+@dataclass
+class StepPlan:
+    """What the group agreed for one step."""
+    run: bool            # some rank has a batch: everyone launches one (an idle one if it has none)
+    stop: bool           # some rank is stopping: everyone stops after this step
+
+
+class DpGroup:
+    """This rank's place in a DP-attention group: the expert-parallel group (the forward's
+    collectives, on the stream) and a CPU group for the per-step exchange (from the loop)."""
+
+    def __init__(self, rank: int, size: int, init_addr: str, backend: str = "gloo"):
+        self.rank, self.size = rank, size
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
+                                timeout=timeout)
+        self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.forward = threading.local()
+        self.sync_seconds = 0.0
+        self.idle_steps = 0
+        self.padding_tokens = 0
+        log.info("rank %d joined a DP-attention group of %d (%s)", rank, size, backend)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    # ---- the per-step exchange (CPU group) ----------------------------------------------
+
+    def agree(self, has_batch: bool, stopping: bool) -> StepPlan:
+        """Blocking: call it from a thread (the rank awaits it without blocking its loop)."""
+        start = time.perf_counter()
+        mine = torch.tensor([int(has_batch), int(stopping)], dtype=torch.int64)
+        everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(self.size)]
+        self.collective(dist.all_gather, everyone, mine, group=self.cpu_group)
+        self.sync_seconds += time.perf_counter() - start
+        table = torch.stack(everyone)
+        return StepPlan(run=bool(table[:, 0].any()), stop=bool(table[:, 1].any()))
+
+    def collective(self, op, *args, **kwargs):
+        try:
+            return op(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise GroupBroken(f"the DP group is broken (a rank is gone?): {exc}") from exc
+
+    # ---- inside a forward (on the stream) ----------------------------------------------
+
+    @contextlib.contextmanager
+    def forward_rows(self, num_tokens: int):
+        """Around one target forward: every rank's token count, for the MoE layers' padding."""
+        if getattr(self.forward, "counts", None) is not None:
+            raise RuntimeError("DP forwards do not nest")
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.collective(dist.all_gather, counts, torch.tensor([num_tokens], dtype=torch.int64))
+        self.forward.counts = [int(c) for c in counts]
+        self.padding_tokens += max(self.forward.counts) - num_tokens
+        try:
+            yield
+        finally:
+            self.forward.counts = None
+
+    def gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every rank's rows [sum of counts, H] (padded to the largest in transit), and where this
+        rank's rows start among them."""
+        counts = self.forward.counts
+        width = max(counts)
+        padded = x.new_zeros(width, x.shape[1])
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self.collective(dist.all_gather, parts, padded)
+        rows = torch.cat([part[:count] for part, count in zip(parts, counts)])
+        return rows, sum(counts[:self.rank])
+
+    def sum_rows(self, partial: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+        """Sum the partial outputs of every rank's experts; this rank's rows of the result."""
+        self.collective(dist.all_reduce, partial)
+        return partial[offset:offset + count]
+
+
+def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
+    """The contiguous slice of experts rank `rank` of `size` holds (the first ranks take one more)."""
+    base, extra = divmod(num_experts, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
