@@ -298,52 +298,31 @@ async def resolve_model(session: aiohttp.ClientSession, args) -> str:
         return "default"
 
 
-async def run_benchmark(args, verbose: bool = True) -> dict:
-    """Run the benchmark described by `args` (see parse_args) and return its metrics."""
+async def run_benchmark(args, verbose: bool = True, requests: list[Request] | None = None) -> dict:
+    """Run the benchmark described by `args` (see parse_args) and return its metrics.
+
+    `requests` replaces the dataset (bench/pd_compare.py builds them first, so that building one class's
+    prompts never stalls the event loop while another class streams)."""
     finish_args(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    requests = build_requests(args, tokenizer)
+    if requests is None:
+        requests = build_requests(args, tokenizer)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if args.backend in ("vllm", "openai", "openai-chat") and not args.model:
             args.model = await resolve_model(session, args)
-        if args.warmup_requests > 0 and requests:
-            first = requests[0]
-            warm = Request(first.prompt, first.prompt_len, min(first.output_len, 16))
-            warmups = await asyncio.gather(*(send_request(session, args, warm) for _ in range(args.warmup_requests)))
-            failed = [r.error for r in warmups if not r.success]
-            if failed and verbose:
-                print(f"warning: {len(failed)} warm-up request(s) failed: {failed[0]}", file=sys.stderr)
-
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        bar = None
-        if not args.disable_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(requests), desc=f"{args.backend}", file=sys.stderr)
-
-        async def limited(request: Request) -> RequestResult:
-            if semaphore is None:
-                result = await send_request(session, args, request)
-            else:
-                async with semaphore:
-                    result = await send_request(session, args, request)
-            if bar is not None:
-                bar.update(1)
-            return result
-
-        start = time.perf_counter()
-        schedule = arrivals(requests, args.request_rate, random.Random(args.seed))
-        tasks = [asyncio.create_task(limited(r)) async for r in schedule]
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        if bar is not None:
-            bar.close()
+        await warm_up(session, args, requests, verbose)
+        pd_before = await scrape_pd_pair(session, args)
+        results, start, duration = await run_requests(session, args, requests)
+        pd_after = await scrape_pd_pair(session, args)
 
     for result in results:
         if result.success:
             settle_token_count(result, tokenizer)
     metrics = summarize(args, results, duration)
+    if pd_before is not None:
+        metrics["pd"] = pd_report(pd_before, pd_after, metrics)
     if verbose:
         print_summary(metrics)
     if args.output_file:
@@ -353,6 +332,145 @@ async def run_benchmark(args, verbose: bool = True) -> dict:
     if args.plot:
         plot(args.plot, results, start, metrics)
     return metrics
+
+
+async def warm_up(session: aiohttp.ClientSession, args, requests: list[Request], verbose: bool) -> None:
+    """--warmup-requests copies of the first request, at most 16 tokens long, sent at once and not counted."""
+    if args.warmup_requests <= 0 or not requests:
+        return
+    first = requests[0]
+    warm = Request(first.prompt, first.prompt_len, min(first.output_len, 16))
+    warmups = await asyncio.gather(*(send_request(session, args, warm) for _ in range(args.warmup_requests)))
+    failed = [r.error for r in warmups if not r.success]
+    if failed and verbose:
+        print(f"warning: {len(failed)} warm-up request(s) failed: {failed[0]}", file=sys.stderr)
+
+
+async def run_requests(session: aiohttp.ClientSession, args,
+                       requests: list[Request]) -> tuple[list[RequestResult], float, float]:
+    """Send every request on its arrival schedule, at most --max-concurrency at once: (results, start, seconds)."""
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = None
+    if not args.disable_tqdm:
+        from tqdm import tqdm
+        bar = tqdm(total=len(requests), desc=f"{args.backend}", file=sys.stderr)
+
+    async def limited(request: Request) -> RequestResult:
+        if semaphore is None:
+            result = await send_request(session, args, request)
+        else:
+            async with semaphore:
+                result = await send_request(session, args, request)
+        if bar is not None:
+            bar.update(1)
+        return result
+
+    start = time.perf_counter()
+    schedule = arrivals(requests, args.request_rate, random.Random(args.seed))
+    tasks = [asyncio.create_task(limited(r)) async for r in schedule]
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return results, start, duration
+
+
+# ---- prefill/decode counters -----------------------------------------------------
+# A PD pair's nodes count their rooms (one per request) and the KV they move. tandem_pd_transfer_seconds
+# sums each room's life: on the decode node from handing the prompt to a prefill node to the last KV and
+# first token arriving (the prefill's compute included), on the prefill node from the prompt's arrival to
+# its last frame written. Their difference per room is what the hand-off and the wire add.
+
+PD_COUNTERS = {"tandem_pd_transferred_bytes_total": "transferred_bytes",
+               "tandem_pd_transfer_seconds_total": "transfer_seconds"}
+
+
+def parse_pd_counters(text: str) -> dict | None:
+    """A node's tandem_pd_* counters from Prometheus text; None when it has none (not a PD node)."""
+    counters = {"transferred_bytes": 0.0, "transfer_seconds": 0.0, "rooms_done": 0.0, "rooms_failed": 0.0,
+                "failures": {}}
+    seen = False
+    for line in text.splitlines():
+        name, labels, value = prometheus_sample(line)
+        if name in PD_COUNTERS:
+            counters[PD_COUNTERS[name]] = value
+        elif name == "tandem_pd_rooms_finished_total" and labels.get("state") in ("done", "failed"):
+            counters["rooms_" + labels["state"]] = value
+        elif name == "tandem_pd_failures_total":
+            counters["failures"][labels.get("reason", "")] = value
+        else:
+            continue
+        seen = True
+    return counters if seen else None
+
+
+def prometheus_sample(line: str) -> tuple[str, dict[str, str], float]:
+    """(name, labels, value) of one sample line; ("", {}, 0.0) for comments and lines that do not parse."""
+    if not line or line.startswith("#"):
+        return "", {}, 0.0
+    head, _, value = line.rpartition(" ")
+    name, _, label_text = head.partition("{")
+    labels = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if "=" in part)
+    try:
+        return name.strip(), {k.strip(): v.strip().strip('"') for k, v in labels.items()}, float(value)
+    except ValueError:
+        return "", {}, 0.0
+
+
+async def scrape_pd(session: aiohttp.ClientSession, url: str) -> dict | None:
+    """One node's PD counters, None when its /metrics cannot be read or has none."""
+    try:
+        async with session.get(url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
+            return parse_pd_counters(await response.text()) if response.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+        return None
+
+
+async def scrape_pd_pair(session: aiohttp.ClientSession, args) -> dict | None:
+    """{"prefill", "decode"} counters of the pair under test, or None without --prefill-url."""
+    if not getattr(args, "prefill_url", None):
+        return None
+    return {"prefill": await scrape_pd(session, args.prefill_url), "decode": await scrape_pd(session, args.base_url)}
+
+
+def pd_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What a node counted during the run: after - before (None when either scrape failed)."""
+    if before is None or after is None:
+        return None
+    delta = {key: after[key] - before[key] for key in ("transferred_bytes", "transfer_seconds", "rooms_done",
+                                                        "rooms_failed")}
+    failures = {reason: count - before["failures"].get(reason, 0.0) for reason, count in after["failures"].items()}
+    delta["failures"] = {reason: count for reason, count in failures.items() if count}
+    return delta
+
+
+def pd_report(before: dict, after: dict, metrics: dict) -> dict:
+    """Both nodes' counters over the run, and per room: bytes, room seconds and their share of the mean TTFT."""
+    prefill, decode = pd_delta(before["prefill"], after["prefill"]), pd_delta(before["decode"], after["decode"])
+    report = {"prefill": prefill, "decode": decode}
+    report |= per_room(prefill, decode, metrics.get("mean_ttft_ms"))
+    return report
+
+
+def per_room(prefill: dict | None, decode: dict | None, mean_ttft_ms: float | None) -> dict:
+    """Mean bytes and room seconds per finished room; the wire's overhead (decode room - prefill room); the
+    decode room's and the overhead's shares of the mean TTFT."""
+    out = dict.fromkeys(["bytes_per_room", "decode_room_ms", "prefill_room_ms", "handoff_ms", "room_share_of_ttft",
+                         "handoff_share_of_ttft"])
+    rooms = decode and decode["rooms_done"] + decode["rooms_failed"]
+    if not rooms:
+        return out
+    out["bytes_per_room"] = decode["transferred_bytes"] / rooms
+    out["decode_room_ms"] = 1000.0 * decode["transfer_seconds"] / rooms
+    prefill_rooms = prefill and prefill["rooms_done"] + prefill["rooms_failed"]
+    if prefill_rooms:
+        out["prefill_room_ms"] = 1000.0 * prefill["transfer_seconds"] / prefill_rooms
+        out["handoff_ms"] = out["decode_room_ms"] - out["prefill_room_ms"]
+    if mean_ttft_ms:
+        out["room_share_of_ttft"] = out["decode_room_ms"] / mean_ttft_ms
+        if out["handoff_ms"] is not None:
+            out["handoff_share_of_ttft"] = out["handoff_ms"] / mean_ttft_ms
+    return out
 
 
 # ---- metrics -------------------------------------------------------------------
@@ -415,11 +533,13 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
     return metrics
 
 
-def print_summary(m: dict) -> None:
-    def row(label, value, fmt="{:.2f}"):
-        text = "n/a" if value is None else (fmt.format(value) if isinstance(value, float) else str(value))
-        print(f"{label:<40}{text:>12}")
+def row(label: str, value, fmt: str = "{:.2f}") -> None:
+    """One line of the summary: a label and its value, n/a when None."""
+    text = "n/a" if value is None else (fmt.format(value) if isinstance(value, float) else str(value))
+    print(f"{label:<40}{text:>12}")
 
+
+def print_summary(m: dict) -> None:
     print("{s:{c}^52}".format(s=" Serving Benchmark Result ", c="="))
     row("Backend:", m["backend"])
     row("Traffic request rate:", m["request_rate"], "{:g}")
@@ -444,7 +564,31 @@ def print_summary(m: dict) -> None:
         short = {"e2e_latency": "E2E Latency"}.get(key, key.upper())
         for stat in ("mean", "median", "p90", "p99"):
             row(f"{stat.capitalize()} {short} (ms):", m[f"{stat}_{key}_ms"])
+    if m.get("pd"):
+        print_pd(m["pd"])
     print("=" * 52)
+
+
+def print_pd(pd: dict) -> None:
+    """The PD pair's counters over the run (the prefill node's, then the decode node's), and per room."""
+    for node in ("prefill", "decode"):
+        print("{s:{c}^52}".format(s=f" PD: {node} node ", c="-"))
+        counters = pd[node]
+        if counters is None:
+            print(f"{'(no tandem_pd_* counters on its /metrics)':<52}")
+            continue
+        row("Rooms done / failed:", f"{counters['rooms_done']:.0f} / {counters['rooms_failed']:.0f}")
+        row("KV transferred (MB):", counters["transferred_bytes"] / 1e6)
+        row("Transfer seconds (room lives, summed):", counters["transfer_seconds"])
+        for reason, count in counters["failures"].items():
+            print(f"  {count:.0f} x {reason}")
+    print("{s:{c}^52}".format(s=" PD: per room ", c="-"))
+    row("KV per room (MB):", None if pd["bytes_per_room"] is None else pd["bytes_per_room"] / 1e6, "{:.3f}")
+    row("Decode room (ms):", pd["decode_room_ms"])
+    row("Prefill room (ms):", pd["prefill_room_ms"])
+    row("Hand-off and wire (ms):", pd["handoff_ms"])
+    row("Decode room / mean TTFT:", pd["room_share_of_ttft"])
+    row("Hand-off and wire / mean TTFT:", pd["handoff_share_of_ttft"], "{:.3f}")
 
 
 def plot(path: str, results: list[RequestResult], start: float, metrics: dict) -> None:
@@ -529,6 +673,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-file", default=None, help="Append one JSON line (metrics + args) per run.")
     parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="Write TTFT/ITL CDFs and tok/s over time.")
+    parser.add_argument("--prefill-url", default=None, metavar="URL",
+                        help="A prefill/decode pair: the prefill node's HTTP URL (its --port), the decode node being "
+                             "the server under test. Both nodes' tandem_pd_* counters are scraped before and after "
+                             "the run and reported (the JSON result's `pd`).")
     return parser
 
 
@@ -551,6 +699,8 @@ def finish_args(args) -> None:
         raise ValueError("--dataset-name prompts needs --dataset-path to a JSONL file")
     if args.extra_request_body is not None and not isinstance(args.extra_request_body, dict):
         raise ValueError("--extra-request-body must be a JSON object")
+    if getattr(args, "prefill_url", None) and not args.prefill_url.startswith(("http://", "https://")):
+        raise ValueError("--prefill-url wants http://HOST:PORT")
     if not Path(args.tokenizer).is_dir():
         raise ValueError(f"tokenizer folder {args.tokenizer} not found (pass --tokenizer)")
 

@@ -56,6 +56,8 @@ class DpGroup:
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         self.forward = threading.local()
         self.sync_seconds = 0.0
+        self.exchanges = 0
+        self.steps = 0                # steps the group ran (this rank's real or idle forwards)
         self.idle_steps = 0
         self.padding_tokens = 0
         log.info("rank %d joined a DP-attention group of %d (%s)", rank, size, backend)
@@ -74,7 +76,10 @@ class DpGroup:
         self.collective(dist.all_gather, everyone, mine, group=self.cpu_group)
         self.sync_seconds += time.perf_counter() - start
         table = torch.stack(everyone)
-        return StepPlan(run=bool(table[:, 0].any()), stop=bool(table[:, 1].any()))
+        plan = StepPlan(run=bool(table[:, 0].any()), stop=bool(table[:, 1].any()))
+        self.exchanges += 1
+        self.steps += plan.run
+        return plan
 
     def collective(self, op, *args, **kwargs):
         try:

@@ -73,7 +73,11 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToRank = AddRequest | AbortRequest | Shutdown | KvLayer | PrefillDone
+class Wake(msgspec.Struct, tag=True):
+    """DP attention: another rank of the group has work; exchange with the group now."""
+
+
+ToRank = AddRequest | AbortRequest | Shutdown | KvLayer | PrefillDone | Wake
 
 
 # ---- rank -> front -------------------------------------------------------------
@@ -129,6 +133,8 @@ class RankStats(msgspec.Struct, tag=True):
     dp_idle_steps: int = 0                # DP attention: steps run with no rows to keep in step with the group
     dp_padding_tokens: int = 0            # DP attention: rows the MoE exchange padded to the group's largest
     dp_sync_seconds: float = 0.0          # DP attention: time in the per-step exchange
+    dp_exchanges: int = 0                 # DP attention: per-step exchanges (idle polling included)
+    dp_steps: int = 0                     # DP attention: steps run, idle ones included
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -31,8 +31,7 @@ from engine.trace import Tracer
 from engine.wire import Channel
 
 log = logging.getLogger(__name__)
-STATS_INTERVAL = 0.5
-DP_IDLE_S = 0.005           # DP attention, nothing to run anywhere: how long before the next exchange
+STATS_INTERVAL = 0.5        # also the longest a rank of an idle DP-attention group waits (the front wakes it: Wake)
 LOG_INTERVAL = 10.0
 
 
@@ -96,7 +95,7 @@ class Rank:
                     raise self.core.broken
                 self.report()
                 if self.has_nothing_to_do():
-                    await self.idle(DP_IDLE_S if self.dp else STATS_INTERVAL)
+                    await self.idle(STATS_INTERVAL)
             self.send_news(await self.core.drain())
             await self.channel.writer.drain()
         finally:
@@ -247,7 +246,7 @@ class Rank:
         if self.dp is None:
             return {}
         return {"dp_idle_steps": self.dp.idle_steps, "dp_padding_tokens": self.dp.padding_tokens,
-                "dp_sync_seconds": self.dp.sync_seconds}
+                "dp_sync_seconds": self.dp.sync_seconds, "dp_exchanges": self.dp.exchanges, "dp_steps": self.dp.steps}
 
 
 def resident_memory_bytes() -> int:

@@ -64,6 +64,10 @@ class RankStatsCollector(Collector):
                                   "group's largest.", value=total("dp_padding_tokens"))
         yield CounterMetricFamily("tandem_dp_sync_seconds", "DP attention: seconds ranks spent in the per-step "
                                   "exchange (summed over ranks).", value=total("dp_sync_seconds"))
+        yield CounterMetricFamily("tandem_dp_exchanges", "DP attention: per-step exchanges, idle polling included "
+                                  "(summed over ranks).", value=total("dp_exchanges"))
+        yield CounterMetricFamily("tandem_dp_steps", "DP attention: steps run, idle ones included (summed over ranks).",
+                                  value=total("dp_steps"))
         yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without speculation because as many "
                                   "requests decoded as --speculative-disable-by-batch-size.",
                                   value=total("spec_off_steps"))

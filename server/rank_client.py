@@ -24,7 +24,7 @@ from typing import AsyncIterator
 
 from engine.args import ServerArgs
 from engine.messages import (AbortRequest, AddRequest, FromRank, KvLayer, PrefillDone, PrefillReserved, RankReady,
-                             RankStats, RequestFailed, RequestRejected, SamplingParams, Shutdown, TokenDelta)
+                             RankStats, RequestFailed, RequestRejected, SamplingParams, Shutdown, TokenDelta, Wake)
 from engine.rank_main import rank_main
 from engine.wire import Channel
 from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
@@ -200,6 +200,7 @@ class RankEngineClient(EngineClient):
         self.aborted.discard(rid)
         try:
             link.channel.send_nowait(AddRequest(rid, input_ids, params, mode))
+            self.wake_group(link)
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -223,6 +224,15 @@ class RankEngineClient(EngineClient):
         link = self.owner.get(rid)
         if link and link.alive:
             link.channel.send_nowait(msg)
+            if isinstance(msg, PrefillDone):
+                self.wake_group(link)
+
+    def wake_group(self, busy: RankLink) -> None:
+        """DP attention: the other ranks may be waiting for news; one of them has work, so all must step."""
+        if self.args.enable_dp_attention:
+            for link in self.links:
+                if link is not busy and link.alive:
+                    link.channel.send_nowait(Wake())
 
     async def abort(self, rid: str, reason: str = "abort") -> None:
         link = self.owner.get(rid)
