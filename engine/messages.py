@@ -143,6 +143,7 @@ class RankReady(msgspec.Struct, tag=True):
     kv_total: int
     context_length: int
     description: str
+    dtype: str                      # the dtype the model runs in, resolved ("float32", not "auto")
 
 
 FromRank = (TokenDelta | RequestRejected | RequestFailed | RankStats | RankReady | KvLayer | PrefillDone

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -62,7 +63,8 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     loop.add_signal_handler(signal.SIGTERM, lambda: loop.call_later(args.shutdown_timeout + TERM_GRACE_S, worker.stop))
     await channel.send(RankReady(rank=rank, kv_total=worker.pool.total_slots,
                                  context_length=worker.runner.context_length,
-                                 description=f"{Path(args.model_path).name} on {device.torch_device}"))
+                                 description=f"{Path(args.model_path).name} on {device.torch_device}",
+                                 dtype=str(worker.runner.dtype).removeprefix("torch.")))
     try:
         await worker.run()
     except EngineBroken as exc:
@@ -88,8 +90,23 @@ def rank_main(args: ServerArgs, rank: int, socket_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the whole group; the front stops the ranks
     torch.set_num_threads(1)           # the loop's own torch calls; the CPU stream sets its threads
     torch.manual_seed(args.random_seed)
+    code = 0
+    try:
+        run_loop(serve_rank(args, rank, socket_path))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    # Everything the rank holds is closed by now (device, channel, group, trace); the interpreter's
+    # own teardown of torch and the model would take another second or two of every stop and restart.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_loop(main) -> None:
     try:
         import uvloop
-        uvloop.run(serve_rank(args, rank, socket_path))
     except ImportError:
-        asyncio.run(serve_rank(args, rank, socket_path))
+        asyncio.run(main)
+        return
+    uvloop.run(main)

@@ -33,11 +33,12 @@ async def serve(args: ServerArgs) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     engine, bootstrap = make_engine(args)
+    tokenizer = None if args.role == "prefill" else asyncio.ensure_future(asyncio.to_thread(load_tokenizer, args))
     try:
-        readies = await engine.start()
+        readies = await engine.start()              # the tokenizer loads meanwhile
         if bootstrap is not None:
-            await bootstrap.start()
-        runner = await start_http(args, engine, readies)
+            await bootstrap.start(readies)
+        runner = await start_http(args, engine, readies, tokenizer)
     except BaseException:
         await engine.close()
         raise
@@ -62,42 +63,32 @@ def make_engine(args: ServerArgs):
     if args.role == "unified":
         return RankEngineClient(args), None
     from server.pd.decode_client import DecodeEngineClient
-    from server.pd.fingerprint import describe, model_fingerprint
     from server.pd.prefill_server import PrefillServer
     from server.pd.wire import load_secret
-    identity = fingerprint_inputs(args)
-    fingerprint, secret = model_fingerprint(*identity), load_secret(args.pd_secret)
-    log.info("prefill/decode: %s", describe(*identity))
+    secret = load_secret(args.pd_secret)
     if args.role == "decode":
-        engine = DecodeEngineClient(args, fingerprint, secret)
+        engine = DecodeEngineClient(args, secret)
         engine.pd_stats = engine.prefill.stats
         return engine, None
     engine = RankEngineClient(args)
-    bootstrap = PrefillServer(args, engine, fingerprint, secret)
+    bootstrap = PrefillServer(args, engine, secret)
     engine.pd_stats = bootstrap.stats
     return engine, bootstrap
 
 
-def fingerprint_inputs(args: ServerArgs) -> tuple:
-    """What both nodes of a pair must agree on, with "auto" values resolved as the ranks resolve them."""
-    import torch
-    from devices.base import resolve_device_name
-    from engine.models.loader import resolve_dtype
-    dtype = resolve_dtype(args.dtype, torch.device(resolve_device_name(args.device)))
-    return (args.model_path, str(dtype).removeprefix("torch."), args.page_size, args.spec_algorithm, args.num_steps,
-            args.draft_model_path)
+def load_tokenizer(args: ServerArgs):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(args.tokenizer)
 
 
-async def start_http(args: ServerArgs, engine, readies) -> web.AppRunner:
+async def start_http(args: ServerArgs, engine, readies, tokenizer: asyncio.Future | None) -> web.AppRunner:
     from server.app import create_app, create_prefill_app
     for r in readies:
         log.info("rank %d ready: %s, %d KV tokens", r.rank, r.description, r.kv_total)
-    if args.role == "prefill":
+    if tokenizer is None:
         app = create_prefill_app(args, engine)
     else:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        app = create_app(args, engine, tokenizer, min(r.context_length for r in readies))
+        app = create_app(args, engine, await tokenizer, min(r.context_length for r in readies))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

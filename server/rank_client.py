@@ -25,7 +25,7 @@ from typing import AsyncIterator
 from engine.args import ServerArgs
 from engine.messages import (AbortRequest, AddRequest, FromRank, KvLayer, PrefillDone, PrefillReserved, RankReady,
                              RankStats, RequestFailed, RequestRejected, SamplingParams, Shutdown, TokenDelta, Wake)
-from engine.rank_main import rank_main
+from engine.rank_entry import rank_process
 from engine.wire import Channel
 from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
 
@@ -135,7 +135,7 @@ class RankEngineClient(EngineClient):
             self.attach(link)
             return
         ctx = mp.get_context("spawn")
-        link.process = ctx.Process(target=rank_main, args=(self.rank_args, link.rank, self.socket_path),
+        link.process = ctx.Process(target=rank_process, args=(self.rank_args, link.rank, self.socket_path),
                                    name=f"tandem-rank{link.rank}", daemon=True)
         link.process.start()
         deadline = time.monotonic() + START_TIMEOUT

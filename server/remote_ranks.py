@@ -14,7 +14,7 @@ import multiprocessing as mp
 import signal
 
 from engine.args import ServerArgs
-from engine.rank_main import rank_main
+from engine.rank_entry import rank_process
 from server.rank_client import RESTART_WINDOW_S, describe_exit, remote_rank_address
 
 log = logging.getLogger("tandem")
@@ -49,7 +49,7 @@ async def serve_remote_ranks(args: ServerArgs) -> int:
 
 def start(args: ServerArgs, ranks: range, address: str) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
-    processes = [ctx.Process(target=rank_main, args=(args, rank, address), name=f"tandem-rank{rank}", daemon=True)
+    processes = [ctx.Process(target=rank_process, args=(args, rank, address), name=f"tandem-rank{rank}", daemon=True)
                  for rank in ranks]
     for process in processes:
         process.start()

@@ -30,14 +30,11 @@ def start_pair(prefill_flags: list[str], decode_flags: list[str], log_dir: Path,
                prefill_env: dict[str, str] | None = None) -> PdPair:
     port = free_port()
     prefill = start_prefill(port, [*common, *prefill_flags], log_dir / "prefill.log", prefill_env)
+    # both start at once: the decode node keeps trying to reach the prefill node until it is up
+    decode = Server(["--role", "decode", "--prefill-addr", f"127.0.0.1:{port}", *common, *decode_flags],
+                    log_dir / "decode.log")
     try:
         prefill.wait_healthy()
-        decode = Server(["--role", "decode", "--prefill-addr", f"127.0.0.1:{port}", *common, *decode_flags],
-                        log_dir / "decode.log")
-    except BaseException:
-        prefill.stop()
-        raise
-    try:
         decode.wait_healthy()
     except BaseException:
         decode.stop()

@@ -146,7 +146,9 @@ async def test_too_many_rank_deaths_make_the_server_exit_non_zero(tmp_path, monk
 async def test_sigterm_under_load_drains_and_exits_cleanly(timeout, tmp_path):
     trace = tmp_path / "trace.json"
     max_tokens = 120 if timeout > 1 else 1900
-    srv = Server(["--trace-file", str(trace), "--shutdown-timeout", str(timeout)], tmp_path / "term.log")
+    slow_steps = {ENV: "step=1,times=1000000,where=delay,seconds=0.05"}   # still draining when probed
+    srv = Server(["--trace-file", str(trace), "--shutdown-timeout", str(timeout)], tmp_path / "term.log",
+                 env=slow_steps)
     try:
         srv.wait_healthy()
         ranks = srv.rank_pids()
@@ -155,6 +157,7 @@ async def test_sigterm_under_load_drains_and_exits_cleanly(timeout, tmp_path):
             await asyncio.sleep(1.0)
             os.killpg(srv.process.pid, signal.SIGTERM)                 # as systemd stops a service
             await asyncio.sleep(0.2)
+            assert not any(s.done() for s in streams), "the streams ended before the probe: slow the steps"
             status, body = await complete(session, srv.url)
             assert status == 503 and "shutting down" in body["error"]["message"]
             results = await asyncio.wait_for(asyncio.gather(*streams), 60)

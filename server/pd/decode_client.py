@@ -17,6 +17,7 @@ from engine.args import ServerArgs
 from engine.messages import PrefillReserved, SamplingParams, TokenDelta
 from server.engine_client import EngineDead, EngineFailed
 from server.pd.convert import to_rank
+from server.pd.fingerprint import node_fingerprint
 from server.pd.prefill_links import PrefillFailed, PrefillLinks
 from server.rank_client import RankEngineClient
 
@@ -25,13 +26,13 @@ FIRST_CONNECT_S = 30.0
 
 
 class DecodeEngineClient(RankEngineClient):
-    def __init__(self, args: ServerArgs, fingerprint: str, secret: bytes | None):
+    def __init__(self, args: ServerArgs, secret: bytes | None):
         super().__init__(args)
-        self.prefill = PrefillLinks(args, fingerprint, secret)
+        self.prefill = PrefillLinks(args, secret)
 
     async def start(self):
         readies = await super().start()
-        self.prefill.start()
+        self.prefill.start(node_fingerprint(self.args, readies))
         if not await self.prefill.wait_up(FIRST_CONNECT_S):
             log.warning("no prefill node reachable yet (%s); requests fail until one is",
                         ", ".join(self.args.prefill_addr))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 
 FINGERPRINT_HEX_CHARS = 16
@@ -19,12 +20,22 @@ FINGERPRINT_HEX_CHARS = 16
 # same model must still pair
 UNHASHED_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
 NO_SPECULATION = ("", "none")
+log = logging.getLogger("tandem.pd")
 
 
 def model_fingerprint(model_path: str, dtype_name: str, page_size: int, spec_algorithm: str | None,
                       num_steps: int, draft_model_path: str | None) -> str:
     """A short sha256 hex digest of the canonical JSON of what both nodes must share."""
     return _digest(fingerprint_fields(model_path, dtype_name, page_size, spec_algorithm, num_steps, draft_model_path))
+
+
+def node_fingerprint(args, readies: list) -> str:
+    """The fingerprint of a node whose ranks are up (`readies`: their RankReady, which names the dtype
+    they resolved), logged with what it covers."""
+    identity = (args.model_path, readies[0].dtype, args.page_size, args.spec_algorithm, args.num_steps,
+                args.draft_model_path)
+    log.info("prefill/decode: %s", describe(*identity))
+    return model_fingerprint(*identity)
 
 
 def describe(model_path: str, dtype_name: str, page_size: int, spec_algorithm: str | None,

@@ -115,13 +115,16 @@ class PrefillLink:
 class PrefillLinks:
     """All of the decode node's prefill nodes."""
 
-    def __init__(self, args: ServerArgs, fingerprint: str, secret: bytes | None):
+    def __init__(self, args: ServerArgs, secret: bytes | None):
         self.args = args
-        self.links = [PrefillLink(addr, fingerprint, secret) for addr in args.prefill_addr]
+        self.links = [PrefillLink(addr, "", secret) for addr in args.prefill_addr]
         self.tasks: list[asyncio.Task] = []
         self.stats = PdStats("decode")
 
-    def start(self) -> None:
+    def start(self, fingerprint: str) -> None:
+        """Connect to every prefill node, as a node whose model has `fingerprint`."""
+        for link in self.links:
+            link.fingerprint = fingerprint
         self.tasks = [asyncio.create_task(link.run()) for link in self.links]
 
     async def close(self) -> None:

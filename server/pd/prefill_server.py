@@ -21,6 +21,7 @@ from engine.messages import KvLayer as RankKvLayer
 from engine.messages import PrefillDone as RankPrefillDone
 from server.engine_client import EngineDead, EngineFailed, EngineRejected
 from server.pd.convert import to_pd
+from server.pd.fingerprint import node_fingerprint
 from server.pd.messages import AbortRoom, Busy, PrefillRequest, RoomDone, RoomFailed, ToPrefill
 from server.pd.rooms import PdStats
 from server.pd.wire import PdConnection, handshake
@@ -32,14 +33,16 @@ STREAM_LIMIT = 16 * 1024 * 1024
 
 
 class PrefillServer:
-    def __init__(self, args: ServerArgs, engine: RankEngineClient, fingerprint: str, secret: bytes | None):
+    def __init__(self, args: ServerArgs, engine: RankEngineClient, secret: bytes | None):
         self.args, self.engine = args, engine
-        self.fingerprint, self.secret = fingerprint, secret
+        self.fingerprint, self.secret = "", secret
         self.stats = PdStats("prefill")
         self.server: asyncio.AbstractServer | None = None
         self.peers: set[asyncio.Task] = set()
 
-    async def start(self) -> None:
+    async def start(self, readies: list) -> None:
+        """Serve decode nodes, once the ranks (`readies`) are up: the fingerprint needs their dtype."""
+        self.fingerprint = node_fingerprint(self.args, readies)
         self.server = await asyncio.start_server(self.serve, self.args.host, self.args.disaggregation_bootstrap_port,
                                                  limit=STREAM_LIMIT)
 
