@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--setups", default=DEFAULT_SETUPS,
-                        help="Comma list of unified, unified-1core, pd-pinned, pd-shared, pd-default (bench/README.md).")
+                        help="Comma list of unified, unified-1core, pd-pinned, pd-shared, pd-default "
+                             "(bench/README.md).")
     parser.add_argument("--cores", default=None,
                         help="CPUs the pinned setups use, e.g. 0,1 (default: the first two this process may use).")
     parser.add_argument("--model-path", default=str(compare.MODELS / "tandem-dense"), help="Every node's model.")
