@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -79,6 +79,7 @@ class Server:
     port: int
     process: subprocess.Popen
     log_path: Path
+    memory_mb: dict[str, float | None] = field(default_factory=dict)   # "started", "after the rounds"
 
     @property
     def name(self) -> str:
@@ -455,9 +456,48 @@ def measure(args, specs: list[ServerSpec], log_dir: Path) -> tuple[list[Server],
         failed = wait_healthy(servers, args.health_timeout)
         stop_servers([s for s in servers if s.name in failed])      # one that timed out may still run
         healthy = [s for s in servers if s.name not in failed]
-        return servers, failed, run_rounds(args, healthy) if healthy else []
+        note_memory(healthy, "started")
+        rows = run_rounds(args, healthy) if healthy else []
+        note_memory(healthy, "after the rounds")
+        return servers, failed, rows
     finally:
         stop_servers(servers)
+
+
+def note_memory(servers: list[Server], when: str) -> None:
+    for server in servers:
+        server.memory_mb[when] = resident_mb(server.process.pid)
+
+
+def resident_mb(pid: int) -> float | None:
+    """Proportional set size (shared pages split between the processes that map them) of a process and
+    all its descendants: the front and its ranks together, as the machine pays for them."""
+    total, found = 0, False
+    for process in [pid, *descendants(pid)]:
+        try:
+            for line in Path(f"/proc/{process}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+                    found = True
+        except OSError:
+            continue
+    return total / 1024 if found else None
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return [grand for child in children for grand in [child, *descendants(child)]]
+
+
+def print_memory(servers: list[Server]) -> None:
+    print("\nResident memory (PSS of the front and its ranks), MB:")
+    for server in servers:
+        cells = ", ".join(f"{when} {fmt(mb, '.0f')}" for when, mb in server.memory_mb.items())
+        if cells:
+            print(f"  {server.name:<{name_width([s.name for s in servers])}} {cells}")
 
 
 def write_record(args, servers: list[Server], failed: dict[str, str], rows: list[dict], tree: Tree | None,
@@ -467,7 +507,8 @@ def write_record(args, servers: list[Server], failed: dict[str, str], rows: list
               "configs": [{"name": n, "flags": f} for n, f in args.config], "rounds": args.rounds,
               "workload": workload,
               "servers": [{"name": s.name, "config": s.spec.config, "flags": list(s.spec.flags),
-                           "tree": str(s.spec.tree.root), "commit": s.spec.tree.commit} for s in servers],
+                           "tree": str(s.spec.tree.root), "commit": s.spec.tree.commit,
+                           "memory_mb": s.memory_mb} for s in servers],
               "failed_servers": failed, "results": rows, "server_pids": [s.process.pid for s in servers]}
     if tree:
         record["checkout"] = {"rev": args.checkout, "commit": tree.commit, "short": tree.short,
@@ -500,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     ab = ab_ratios(rows, [name for name, _ in args.config], old_tree.suffix) if old_tree else None
     if ab:
         print_ab_table(rows, ab, old_tree.short)
+    print_memory(servers)
     for name, why in failed.items():
         print(f"not measured: {name} {why}")
     if args.output_file:

@@ -6,6 +6,7 @@ scheduling runs while the worker computes.
 from __future__ import annotations
 
 import asyncio
+import mmap
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -76,3 +77,13 @@ class CpuDevice(Device):
     def close(self) -> None:
         self.worker.shutdown(wait=True, cancel_futures=True)
 
+
+
+def lazily_committed_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in anonymous memory that the OS commits a page at a time, on first write: a KV cache
+    sized for 65,536 tokens holds the memory of the tokens it has held, not of all it could hold
+    (the pool hands out the lowest free pages first, so the touched part stays compact)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

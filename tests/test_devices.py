@@ -182,3 +182,36 @@ def test_npu_device_needs_torch_npu():
         return
     device = create_device("npu")
     assert device.torch_device.type == "npu"
+
+
+def resident_mib() -> float:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+
+def test_a_cpu_kv_cache_holds_memory_only_for_the_tokens_written():
+    from engine.models.attention import KVCache
+    before = resident_mib()
+    kv = KVCache.allocate(8, 65536, 2, 64, torch.float32)          # 512 MiB reserved, as the default server
+    reserved = resident_mib() - before
+    ones, twos, rows = torch.ones(1024, 2, 64), torch.full((1024, 2, 64), 2.0), torch.arange(1024)
+    start = resident_mib()
+    for layer in range(8):                                          # 1,024 tokens written: 8 MiB
+        kv.k[layer].index_copy_(0, rows, ones)
+        kv.v[layer].index_copy_(0, rows, twos)
+    written = resident_mib() - start
+    assert reserved < 16 and 7 < written < 24, (reserved, written)
+    assert kv.k[3].is_contiguous() and kv.v[7].shape == (65536, 2, 64)
+    assert float(kv.k[5][:1024].mean()) == 1.0 and float(kv.v[5][:1024].mean()) == 2.0
+    assert not kv.k[5][1024:].any() and not kv.v[7][-8:].any()     # the rest reads as zeros
+
+
+def test_the_http_front_starts_without_torch():
+    """The front never runs a model: importing what it runs must not import torch (1.7 s and about
+    300 MB of every server's start)."""
+    import subprocess
+    import sys
+    code = ("import sys, run, server.launch, server.app, server.rank_client, server.pd.decode_client, "
+            "server.pd.prefill_server, server.remote_ranks; print(sorted(m for m in ('torch', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from devices.cpu import lazily_committed_zeros
+
 
 @dataclass
 class KVCache:
@@ -46,8 +48,12 @@ class KVCache:
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", page_size: int = 1) -> "KVCache":
         shape = (num_slots, num_kv_heads, head_dim)
-        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+
+        def zeros() -> torch.Tensor:
+            if torch.device(device).type == "cpu":
+                return lazily_committed_zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return cls(k=[zeros() for _ in range(num_layers)], v=[zeros() for _ in range(num_layers)],
                    page_size=page_size)
 
     @staticmethod

@@ -126,17 +126,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # ---------------------------------------------------------------------------- blocks
 
+def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the parts' outputs side by side: one matrix product (one read of
+    the input, one kernel) instead of several."""
+    weight = torch.cat([p.weight for p in parts])
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
+                        device=weight.device, dtype=weight.dtype)
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
+    if parts[0].bias is not None:
+        stacked.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return stacked
+
+
+def stack_projections(model: nn.Module) -> None:
+    """After loading: q/k/v of every attention block into one product, gate/up of every gated MLP into
+    another (the checkpoint keeps them apart; the forward reads the stacked ones)."""
+    for module in model.modules():
+        if isinstance(module, (Attention, GatedMLP)):
+            module.stack()
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up in one product once stacked."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def stack(self) -> None:
+        self.gate_up_proj = stacked_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:                       # as built (training tools): apart
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -159,15 +187,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        self.qkv_proj: nn.Linear | None = None
+        self.qkv_sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
         # Qwen3: RMSNorm over each head's vector, before the rotary embedding.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
+    def stack(self) -> None:
+        self.qkv_proj = stacked_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:                           # as built (training tools): apart
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

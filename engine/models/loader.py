@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from engine.models.base import ARCHITECTURES, CausalLM, DraftHead, model_class
+from engine.models.layers import stack_projections
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -148,6 +149,7 @@ def build_and_load(cls: type, config, folder: Path, dtype: torch.dtype, device: 
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)                                           # non-persistent buffers (rotary inv_freq)
     model.requires_grad_(False)
+    stack_projections(model)
     return model.eval()
 
 

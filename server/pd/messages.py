@@ -10,12 +10,14 @@ the one message a node of another version must still decode, to say which versio
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
-import torch
 
 from engine.messages import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -27,12 +29,13 @@ class WireTensor(msgspec.Struct):
     data: bytes
 
 
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-               "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+# dtype name -> bytes per element (the nodes' HTTP fronts relay these bytes without torch)
+WIRE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
 def to_wire(tensor: torch.Tensor) -> WireTensor:
     """Copy a tensor (any device) to the host and take its bytes."""
+    import torch
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in WIRE_DTYPES:
         raise ValueError(f"cannot send a {name} tensor; expected one of {sorted(WIRE_DTYPES)}")
@@ -45,15 +48,17 @@ def to_wire(tensor: torch.Tensor) -> WireTensor:
 
 def from_wire(wire: WireTensor) -> torch.Tensor:
     """A host tensor from its wire form; a clear ValueError for anything malformed."""
-    dtype = WIRE_DTYPES.get(wire.dtype)
-    if dtype is None:
+    import torch
+    item_size = WIRE_DTYPES.get(wire.dtype)
+    if item_size is None:
         raise ValueError(f"tensor of dtype {wire.dtype!r}; expected one of {sorted(WIRE_DTYPES)}")
     if any(size < 0 for size in wire.shape):
         raise ValueError(f"tensor of shape {wire.shape}: sizes must not be negative")
-    expected = math.prod(wire.shape) * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(wire.shape) * item_size
     if expected != len(wire.data):
         raise ValueError(f"tensor of shape {wire.shape} ({wire.dtype}) needs {expected} bytes, "
                          f"got {len(wire.data)}")
+    dtype = getattr(torch, wire.dtype)
     if not wire.data:
         return torch.empty(wire.shape, dtype=dtype)
     # bytearray: torch.frombuffer wants a writable buffer it may share
