@@ -617,3 +617,19 @@ if __name__ == "__main__":
         sys.exit("fake server: asked to fail")
     web.run_app(fake_app(delay=options.fake_delay, pd=options.role != "unified"), host="127.0.0.1", port=options.port,
                 print=None)
+
+
+def test_resident_memory_counts_a_process_and_its_descendants():
+    from bench.compare import resident_mb
+    alone = resident_mb(os.getpid())
+    holder = ("import time; b = bytearray(64 * 2**20); b[::4096] = b'x' * len(b[::4096]); print(1, flush=True); "
+              "time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()                                  # its 64 MB are written
+        with_child = resident_mb(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert alone > 10 and with_child - alone > 60, (alone, with_child)
+    assert resident_mb(2**22 + 12345) is None                    # no such process

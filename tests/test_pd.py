@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation end to end: a prefill node and a decode node as real processes on
 127.0.0.1, driven through the decode node's HTTP API. Greedy outputs equal the unified server's for
-every speculative algorithm, overlap on and off, --dp-size 2 on both sides, prompts longer than
---chunked-prefill-size and the MoE model; seeded sampling gives the unified server's text; both
-nodes end with no KV in use and count their transfers."""
+every speculative algorithm, overlap on and off, --dp-size 2 on both sides and on the prefill side
+only, prompts longer than --chunked-prefill-size and the MoE model; seeded sampling gives the unified
+server's text; both nodes end with no KV in use and count their transfers."""
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +28,9 @@ DENSE_CONFIGS = {
     "standalone": ["--speculative-algorithm", "standalone", "--speculative-disable-by-batch-size", "0"],
     "ngram": ["--speculative-algorithm", "ngram"],
     "eagle-dp2": ["--speculative-algorithm", "eagle", "--dp-size", "2"],
+    "eagle-dp2-to-dp1": ["--speculative-algorithm", "eagle"],
 }
+PREFILL_ONLY = {"eagle-dp2-to-dp1": ["--dp-size", "2"]}   # two prefill ranks feeding one decode rank
 MOE_CONFIGS = {
     "moe-none": ["--speculative-algorithm", "none"],
     "moe-eagle": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path",
@@ -82,7 +84,8 @@ async def test_pd_equals_unified(config, references, tmp_path):
     traces = {role: tmp_path / f"{role}.trace.json" for role in ("prefill", "decode")}
     traced = {role: ["--trace-file", str(path)] if config == TRACED_CONFIG else [] for role, path in traces.items()}
     sent = list(prompts)
-    with pd_pair(traced["prefill"], traced["decode"], tmp_path, common=["--model-path", str(model), *CHUNK, *flags]
+    prefill_flags = [*traced["prefill"], *PREFILL_ONLY.get(config, [])]
+    with pd_pair(prefill_flags, traced["decode"], tmp_path, common=["--model-path", str(model), *CHUNK, *flags]
                  ) as pair:
         async with aiohttp.ClientSession() as session:
             jobs = [generate(session, pair.url, ids, NEW_TOKENS) for ids in prompts]
