@@ -604,21 +604,6 @@ def test_baseline_hf_on_a_tiny_model(tokenizer_dir, tmp_path):
         assert math.isfinite(r["duration"])
 
 
-# ---- run as a fake server for bench/compare.py -------------------------------------
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--fake-delay", type=float, default=0.002)
-    parser.add_argument("--fake-exit", action="store_true")
-    parser.add_argument("--role", default="unified")
-    options, _ = parser.parse_known_args()
-    if options.fake_exit:
-        sys.exit("fake server: asked to fail")
-    web.run_app(fake_app(delay=options.fake_delay, pd=options.role != "unified"), host="127.0.0.1", port=options.port,
-                print=None)
-
-
 def test_resident_memory_counts_a_process_and_its_descendants():
     from bench.compare import resident_mb
     alone = resident_mb(os.getpid())
@@ -633,3 +618,61 @@ def test_resident_memory_counts_a_process_and_its_descendants():
         child.wait()
     assert alone > 10 and with_child - alone > 60, (alone, with_child)
     assert resident_mb(2**22 + 12345) is None                    # no such process
+
+
+FAKE_CONVERTER = """
+import sys
+class TextModel:
+    def get_vocab_base_pre(self, tokenizer):
+        raise NotImplementedError
+def main():
+    assert TextModel().get_vocab_base_pre(None) == "gpt-2"          # the script answered it
+    out = sys.argv[sys.argv.index("--outfile") + 1]
+    open(out, "w").write(sys.argv[sys.argv.index("--outtype") + 1])
+"""
+
+
+def fake_llama_cpp(root: Path) -> Path:
+    """A llama.cpp folder whose converter writes a stub and whose llama-server is this file's fake server."""
+    (root / "build" / "bin").mkdir(parents=True)
+    (root / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
+    server = root / "build" / "bin" / "llama-server"
+    server.write_text(f"#!/bin/sh\necho \"$@\" > {root}/args.txt\n"
+                      f"exec {sys.executable} {REPO / 'tests' / 'test_bench.py'} \"$@\"\n")
+    server.chmod(0o755)
+    return root
+
+
+def test_baseline_llamacpp_converts_once_and_runs_both_servers_side_by_side(tokenizer_dir, tmp_path):
+    root = fake_llama_cpp(tmp_path / "llama.cpp")
+    out, gguf = tmp_path / "out.jsonl", tmp_path / "gguf"
+    argv = ["bench/baseline_llamacpp.py", "--llama-cpp", str(root), "--gguf-dir", str(gguf), "--outtype", "bf16",
+            "--server-script", "tests/test_bench.py", "--model-path", str(tokenizer_dir), "--rounds", "2",
+            "--max-concurrency", "1,2", "--num-prompts", "3", "--output-file", str(out), "--threads", "3"]
+    result = cli(*argv)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (gguf / f"{tokenizer_dir.name}-bf16.gguf").read_text() == "bf16"
+    assert "--parallel 2 --threads 3" in (root / "args.txt").read_text()
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    names = {row["config"] for row in record["results"]}
+    assert names == {"llama.cpp-bf16", "none"} and len(record["results"]) == 4
+    assert all(len(row["runs"]) == 2 and row["median"]["completed"] == 3 for row in record["results"])
+    assert "ratios are to 'llama.cpp-bf16'" in result.stdout and "Resident memory" in result.stdout
+    missing = cli("bench/baseline_llamacpp.py", "--llama-cpp", str(tmp_path / "nowhere"))
+    assert missing.returncode != 0 and "build/bin/llama-server" in missing.stderr
+
+
+# ---- run as a fake server for bench/compare.py -------------------------------------
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--fake-delay", type=float, default=0.002)
+    parser.add_argument("--fake-exit", action="store_true")
+    parser.add_argument("--role", default="unified")
+    options, _ = parser.parse_known_args()
+    if options.fake_exit:
+        sys.exit("fake server: asked to fail")
+    web.run_app(fake_app(delay=options.fake_delay, pd=options.role != "unified"), host="127.0.0.1", port=options.port,
+                print=None)
+
