@@ -60,7 +60,8 @@ class ServerArgs:
     max_running_requests: int = flag(64, "Most requests decoding at once on a rank.")
     max_queued_requests: int = flag(1024, "Most requests waiting on a rank; beyond it requests get 503.")
     max_total_tokens: int | None = flag(None, "KV cache size in tokens (default: from --mem-fraction-static on devices "
-                                              "with memory stats, else 65536 on the CPU).")
+                                              "with memory stats, else 65536 on the CPU, where memory is taken only as "
+                                              "tokens are written).")
     mem_fraction_static: float = flag(0.85, "Fraction of device memory for weights plus KV cache (devices with "
                                             "memory stats).")
     chunked_prefill_size: int = flag(512, "Most prompt tokens one request prefills in a step; longer prompts "
