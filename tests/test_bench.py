@@ -662,6 +662,17 @@ def test_baseline_llamacpp_converts_once_and_runs_both_servers_side_by_side(toke
     assert missing.returncode != 0 and "build/bin/llama-server" in missing.stderr
 
 
+def test_startup_times_starts_and_stops_of_a_tree(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "run.py").write_text(f"import runpy, sys\nsys.argv[0] = {str(REPO / 'tests' / 'test_bench.py')!r}\n"
+                                 f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    result = cli("bench/startup.py", "--tree", str(tree), "--repeats", "2", "--", "--fake-delay", "0.001")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "medians of 2 starts: start " in result.stdout and "idle PSS" in result.stdout
+    assert cli("bench/startup.py", "--tree", str(tmp_path), "--repeats", "1", "--timeout", "5").returncode != 0
+
+
 # ---- run as a fake server for bench/compare.py -------------------------------------
 
 if __name__ == "__main__":
