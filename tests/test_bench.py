@@ -673,6 +673,13 @@ def test_startup_times_starts_and_stops_of_a_tree(tmp_path):
     assert cli("bench/startup.py", "--tree", str(tmp_path), "--repeats", "1", "--timeout", "5").returncode != 0
 
 
+def test_cpu_linear_times_every_path_at_each_shape():
+    result = cli("bench/cpu_linear.py", "--shapes", "64x32,16x64", "--rows", "1,4", "--weights", "3", "--repeats", "5")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("M=")]
+    assert len(lines) == 4 and all("F.linear f32" in line and "oneDNN bf16" in line for line in lines)
+
+
 # ---- run as a fake server for bench/compare.py -------------------------------------
 
 if __name__ == "__main__":

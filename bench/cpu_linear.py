@@ -1,0 +1,87 @@
+"""One linear layer's product on the CPU, through each path PyTorch offers, at the shapes of a model's
+layers: plain F.linear (f32), oneDNN with a prepacked weight (f32 and bf16), MKL's packed f32.
+
+    python bench/cpu_linear.py                           # tandem-dense's shapes, M = 1 and 16
+    python bench/cpu_linear.py --shapes 4096x4096,11008x4096 --rows 1,8
+
+Each product cycles through --weights distinct weight matrices, so that a weight is not in cache when it
+is read (as in a forward, which reads every layer's weights once); the bandwidth column is the f32 weight
+bytes over F.linear's median time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+# tandem-dense: q/k/v stacked, gate/up stacked, down, the LM head
+DEFAULT_SHAPES = "512x256,1536x256,256x768,256x256,4096x256"
+
+
+def median_us(fn, repeats: int) -> float:
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def cycling(products: list):
+    """A callable that runs the next product of the list each time."""
+    state = {"i": 0}
+
+    def run() -> None:
+        state["i"] = (state["i"] + 1) % len(products)
+        products[state["i"]]()
+    return run
+
+
+def paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
+    rows = x.shape[0]
+    xb = x.to(torch.bfloat16)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    packed_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), rows) for w in weights]
+    found = {
+        "F.linear f32": [lambda w=w: F.linear(x, w) for w in weights],
+        "oneDNN f32": [lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
+        "oneDNN bf16": [lambda p=p: torch.ops.mkldnn._linear_pointwise(xb, p, None, "none", [], "")
+                        for p in packed_bf16],
+    }
+    if torch.backends.mkl.is_available():
+        mkl = [(torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w) for w in weights]
+        found["MKL packed f32"] = [lambda m=m, w=w: torch.ops.mkl._mkl_linear(x, m, w, None, rows) for m, w in mkl]
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="Comma list of OUTxIN weight shapes.")
+    parser.add_argument("--rows", default="1,16", help="Comma list of batch rows (M).")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
+    parser.add_argument("--weights", type=int, default=40, help="Distinct weights cycled through.")
+    parser.add_argument("--repeats", type=int, default=400)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; median µs per product")
+    for rows in (int(r) for r in args.rows.split(",")):
+        for shape in args.shapes.split(","):
+            out_features, in_features = (int(v) for v in shape.split("x"))
+            weights = [torch.randn(out_features, in_features) for _ in range(args.weights)]
+            x = torch.randn(rows, in_features)
+            cells = {name: median_us(cycling(products), args.repeats) for name, products in paths(x, weights).items()}
+            bandwidth = out_features * in_features * 4 / cells["F.linear f32"] / 1e3
+            print(f"M={rows:<3} {shape:>10}: " + ", ".join(f"{name} {us:7.1f}" for name, us in cells.items())
+                  + f"  (F.linear reads {bandwidth:.1f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
