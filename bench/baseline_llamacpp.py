@@ -141,19 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.config = args.config or [compare.parse_config("none=--speculative-algorithm none")]
     args.backend = "openai"                  # one API on both sides: /v1/completions, text prompts
-    try:
-        args.max_concurrency = [int(c) for c in args.max_concurrency.split(",") if c.strip()]
-        if not args.max_concurrency or min(args.max_concurrency) < 1:
-            raise ValueError
-    except ValueError:
-        parser.error("--max-concurrency wants positive integers, e.g. 1,16")
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    args.tokenizer = args.tokenizer or args.model_path
-    try:
-        serving.finish_args(compare.bench_namespace(args, "http://127.0.0.1", args.max_concurrency[0]))
-    except ValueError as exc:
-        parser.error(str(exc))
+    compare.check_run_args(parser, args)
     return args
 
 

@@ -405,12 +405,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        args.max_concurrency = [int(c) for c in args.max_concurrency.split(",") if c.strip()]
-        if not args.max_concurrency or min(args.max_concurrency) < 1:
-            raise ValueError
-    except ValueError:
-        parser.error("--max-concurrency wants positive integers, e.g. 1,16")
     if args.checkout:
         try:
             args.commit, args.short = resolve_revision(args.checkout)
@@ -422,6 +416,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     names = [name + suffix for name, _ in args.config for suffix in suffixes]
     if len(set(names)) != len(names):
         parser.error("config names must differ")
+    check_run_args(parser, args)
+    return args
+
+
+def check_run_args(parser: argparse.ArgumentParser, args) -> None:
+    """What every tool that runs rounds of serving.py on Tandem servers checks (this one,
+    baseline_llamacpp.py): --max-concurrency made a list, --rounds, the server script, the workload."""
+    try:
+        args.max_concurrency = [int(c) for c in args.max_concurrency.split(",") if c.strip()]
+        if not args.max_concurrency or min(args.max_concurrency) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error("--max-concurrency wants positive integers, e.g. 1,16")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if not Path(args.server_script).is_file():
@@ -431,7 +438,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         serving.finish_args(bench_namespace(args, "http://127.0.0.1", args.max_concurrency[0]))
     except ValueError as exc:
         parser.error(str(exc))
-    return args
 
 
 def common_flags(args, servers: int) -> list[str]:

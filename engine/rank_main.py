@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from engine.args import ServerArgs
 from engine.messages import RankReady, ToRank
 from engine.core import EngineBroken
 from engine.dp import DpGroup, GroupBroken
+from engine.event_loop import exit_now, run_main
 from engine.rank import Rank
 from engine.wire import Channel
 
@@ -92,21 +92,8 @@ def rank_main(args: ServerArgs, rank: int, socket_path: str) -> None:
     torch.manual_seed(args.random_seed)
     code = 0
     try:
-        run_loop(serve_rank(args, rank, socket_path))
+        run_main(serve_rank(args, rank, socket_path))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    # Everything the rank holds is closed by now (device, channel, group, trace); the interpreter's
-    # own teardown of torch and the model would take another second or two of every stop and restart.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)                     # device, channel, group and trace are closed by now
 
-
-def run_loop(main) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
