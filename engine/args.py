@@ -57,6 +57,9 @@ class ServerArgs:
                        ["auto", "cpu", "cuda", "npu"])
     dtype: str = flag("auto", "Weight and activation dtype; auto: bfloat16 on accelerators, float32 on the CPU.",
                       ["auto", "float32", "bfloat16", "float16"])
+    cpu_kernels: str = flag("auto", "On the CPU, the layers' norms, SwiGLU and attention run native kernels "
+                                    "(devices/cpu_kernels.cpp, built at set-up): auto uses them when they build, "
+                                    "native insists, torch runs pure PyTorch.", ["auto", "native", "torch"])
     max_running_requests: int = flag(64, "Most requests decoding at once on a rank.")
     max_queued_requests: int = flag(1024, "Most requests waiting on a rank; beyond it requests get 503.")
     max_total_tokens: int | None = flag(None, "KV cache size in tokens (default: from --mem-fraction-static on devices "

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from devices.base import Deferred, Device, Launched
+from devices.cpu_native import describe_cpu_path
 from engine.args import ServerArgs
 from engine.batch import ScheduledBatch
 from engine.faults import FaultInjector
@@ -34,7 +35,7 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, device: Device, future_slots: int, dp: DpGroup | None = None):
         self.args, self.device = args, device
         self.dtype = resolve_dtype(args.dtype, device.torch_device)
-        self.model, self.hf_config = load_model(args.model_path, self.dtype, device.torch_device)
+        self.model, self.hf_config = load_model(args.model_path, self.dtype, device.torch_device, args.cpu_kernels)
         if dp is not None and not shard_experts(self.model, dp):
             raise ValueError(f"--enable-dp-attention: {args.model_path} has no MoE layers to split over the ranks")
         self.context_length = args.context_length or self.hf_config.max_position_embeddings
@@ -53,6 +54,8 @@ class ModelRunner:
         log.info("loaded %s (%s, %s) on %s; KV cache: %d tokens, context %d; speculation: %s",
                  Path(args.model_path).name, self.hf_config.architectures[0], self.dtype, dev,
                  self.num_slots, self.context_length, self.worker.describe() if self.worker else "off")
+        if dev.type == "cpu":
+            log.info("CPU path: %s", describe_cpu_path(self.model))
 
     @property
     def num_rows(self) -> int:

@@ -25,7 +25,6 @@ kv_len, that is what a request takes along to continue elsewhere (export_row / i
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -43,7 +42,7 @@ class EagleWorker(SpecWorker):
         super().__init__(args, target)
         dev = target.torch_device
         self.head, _ = load_draft(args.draft_model_path, target.model, target.dtype, dev,
-                                  token_map=args.token_map_path)
+                                  token_map=args.token_map_path, cpu_kernels=args.cpu_kernels)
         self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
         rows, vocab = target.num_rows, target.vocab_size
         self.draft_first = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -110,7 +109,7 @@ class EagleWorker(SpecWorker):
         """The head reads every verified token (a plain step, w == 0, still extends by one) and row
         b's output at its last accepted position seeds the next step."""
         features = v.out.aux_hidden if self.needs_aux else v.out.hidden
-        g_all = self.head(v.flat_emitted(), features, dataclasses.replace(v.attn, kv=self.draft_kv))
+        g_all = self.head(v.flat_emitted(), features, v.attn.with_kv(self.draft_kv))
         self.seed_rows(rows, g_all[v.flat_index(v.n)], inp.sampling, salt=30)
         self.mark("extend", marks)
 
@@ -125,7 +124,7 @@ class EagleWorker(SpecWorker):
         after[samples] = sampled
         next_ids[last] = after
         features = out.aux_hidden if self.needs_aux else out.hidden
-        g_all = self.head(next_ids, features, dataclasses.replace(attn, kv=self.draft_kv))
+        g_all = self.head(next_ids, features, attn.with_kv(self.draft_kv))
         rows = self.seed_sampled_rows(inp, sampled)
         self.seed_rows(rows, g_all[last[samples]], inp.sampling, salt=1)
 

@@ -27,7 +27,6 @@ when the draft reads nothing and the scheduler counts the prompt's tail into dra
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -44,7 +43,7 @@ class StandaloneWorker(SpecWorker):
     def __init__(self, args, target):
         super().__init__(args, target)
         path = args.draft_model_path
-        self.draft_model, config = load_model(path, target.dtype, target.torch_device)
+        self.draft_model, config = load_model(path, target.dtype, target.torch_device, args.cpu_kernels)
         if config.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {path} has vocab_size {config.vocab_size}, the target "
                              f"{args.model_path} has {target.vocab_size}: a standalone draft must "
@@ -70,7 +69,7 @@ class StandaloneWorker(SpecWorker):
 
     def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
         if not inp.spec.draft_skip:                            # under load: caught up when drafting resumes
-            self.draft_model(input_ids, dataclasses.replace(attn, kv=self.draft_kv))
+            self.draft_model(input_ids, attn.with_kv(self.draft_kv))
         self.history.write_prefill(inp, input_ids, attn.positions, sampled)
         self.seed_sampled_rows(inp, sampled)
 

@@ -6,7 +6,6 @@ reference's logits at the same position of the full sequence.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import math
@@ -657,7 +656,7 @@ def test_chain_step_batch_attends_like_the_general_builder():
     for batch in (build_attention_batch(torch.ones(2, dtype=torch.long), positions + 1, rows, table, 1, 14, kv),
                   chain_step_batch(positions, table[rows, :14], kv)):
         snapshot = KVCache(k=[kv.k[0].clone()], v=[kv.v[0].clone()])
-        outs.append(paged_attention(q, k, v, 0, dataclasses.replace(batch, kv=snapshot), 8 ** -0.5))
+        outs.append(paged_attention(q, k, v, 0, batch.with_kv(snapshot), 8 ** -0.5))
     torch.testing.assert_close(outs[0], outs[1])
 
 
@@ -682,6 +681,6 @@ def test_decodes_and_prompt_chunks_attend_apart_like_one_padded_batch():
         batch = build_attention_batch(long(q_lens), long(kv_lens), long(rows), table, 9, 51, kv, groups=split)
         assert len(batch.parts) == (1 if split is None else 2)
         snapshot = KVCache(k=[kv.k[0].clone()], v=[kv.v[0].clone()])
-        outs.append(paged_attention(q, k, v, 0, dataclasses.replace(batch, kv=snapshot), 8 ** -0.5))
+        outs.append(paged_attention(q, k, v, 0, batch.with_kv(snapshot), 8 ** -0.5))
     assert outs[1].shape == (tokens, 4, 8)
     torch.testing.assert_close(outs[1], outs[0])

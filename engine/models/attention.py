@@ -23,10 +23,16 @@ Every tensor here is built with torch ops from four inputs (q_lens, kv_lens, the
 request rows and the request->slot table), so the same builder runs on CPU data
 or on device-resident lengths that the CPU has not seen (speculation with overlap).
 Only the padded sizes Q and K must be known on the CPU.
+
+The native CPU kernels (devices/cpu_kernels.cpp) read those four inputs directly (`SeqLayout`)
+and walk each sequence's slots in place; the tensors above are built on first use, so a forward
+on the native path never builds them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,11 +92,55 @@ def pages_of(read_slots: torch.Tensor, page_size: int) -> torch.Tensor | None:
 
 
 @dataclass
+class SeqLayout:
+    """A batch per sequence: sequence b owns tokens q_start[b] .. q_start[b] + q_lens[b], has kv_lens[b]
+    positions (its new tokens included) and table[rows[b], p] is the slot of its position p. All [B]
+    long tensors but `table` [rows, width]."""
+    q_start: torch.Tensor
+    q_lens: torch.Tensor
+    kv_lens: torch.Tensor
+    rows: torch.Tensor
+    table: torch.Tensor
+    max_q: int                  # host-known bound on q_lens
+
+    def __post_init__(self):
+        for name in ("q_start", "q_lens", "kv_lens", "rows"):
+            setattr(self, name, getattr(self, name).contiguous())
+
+
+# What the pure-torch path reads: (positions [T], write_slots [T], parts).
+Built = tuple[torch.Tensor, torch.Tensor, list[AttentionPart]]
+
+
 class AttentionBatch:
-    positions: torch.Tensor
-    write_slots: torch.Tensor
-    parts: list[AttentionPart]
-    kv: KVCache
+    """One forward's attention inputs: the layout, and the pure-torch path's tensors built from it
+    on first use (see the module docstring)."""
+
+    def __init__(self, kv: KVCache, layout: SeqLayout, build: Callable[[], Built]):
+        self.kv, self.layout, self.build = kv, layout, build
+
+    def with_kv(self, kv: KVCache) -> "AttentionBatch":
+        """The same batch over another cache (the draft's, a snapshot); what is built is shared."""
+        other = AttentionBatch(kv, self.layout, self.build)
+        if "built" in self.__dict__:
+            other.built = self.built
+        return other
+
+    @functools.cached_property
+    def built(self) -> Built:
+        return self.build()
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.built[0]
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        return self.built[1]
+
+    @property
+    def parts(self) -> list[AttentionPart]:
+        return self.built[2]
 
 
 # A group of a batch's sequences: (their indices [G] on the cache's device, max q_len, max kv_len among them).
@@ -115,23 +165,28 @@ def build_attention_batch(q_lens: torch.Tensor, kv_lens: torch.Tensor, req_rows:
     """q_lens, kv_lens, req_rows: [B] long tensors on the cache's device; kv_lens count
     the new tokens too. req_to_slot: [rows, context] slot table. max_q >= q_lens.max(),
     max_k >= kv_lens.max(). groups (from attention_groups): parts padded apart."""
-    batch = q_lens.shape[0]
     q_start = torch.cumsum(q_lens, 0) - q_lens                       # [B]
-    first_pos = kv_lens - q_lens                                     # [B]
-    grid = QueryGrid.of(q_lens, first_pos, max_q)
-    positions = grid.positions()
-    seq_of_token = torch.arange(batch, device=q_lens.device).repeat_interleave(max_q)[grid.flat_valid]
-    write_slots = req_to_slot[req_rows[seq_of_token], positions]
-    page = kv.page_size
-    if groups is None:
-        parts = [attention_part(grid, q_start, q_lens, kv_lens, req_rows, req_to_slot, padded_width(max_k, page),
-                                page, subset=False)]
-    else:
-        parts = [attention_part(QueryGrid.of(q_lens[seqs], first_pos[seqs], group_q), q_start[seqs], q_lens[seqs],
-                                kv_lens[seqs], req_rows[seqs], req_to_slot, padded_width(group_k, page), page,
-                                subset=True)
-                 for seqs, group_q, group_k in groups]
-    return AttentionBatch(positions=positions, write_slots=write_slots, parts=parts, kv=kv)
+    layout = SeqLayout(q_start=q_start, q_lens=q_lens, kv_lens=kv_lens, rows=req_rows, table=req_to_slot,
+                       max_q=max_q)
+
+    def build() -> Built:
+        batch = q_lens.shape[0]
+        first_pos = kv_lens - q_lens                                 # [B]
+        grid = QueryGrid.of(q_lens, first_pos, max_q)
+        positions = grid.positions()
+        seq_of_token = torch.arange(batch, device=q_lens.device).repeat_interleave(max_q)[grid.flat_valid]
+        write_slots = req_to_slot[req_rows[seq_of_token], positions]
+        page = kv.page_size
+        if groups is None:
+            parts = [attention_part(grid, q_start, q_lens, kv_lens, req_rows, req_to_slot,
+                                    padded_width(max_k, page), page, subset=False)]
+        else:
+            parts = [attention_part(QueryGrid.of(q_lens[seqs], first_pos[seqs], group_q), q_start[seqs],
+                                    q_lens[seqs], kv_lens[seqs], req_rows[seqs], req_to_slot,
+                                    padded_width(group_k, page), page, subset=True)
+                     for seqs, group_q, group_k in groups]
+        return positions, write_slots, parts
+    return AttentionBatch(kv, layout, build)
 
 
 @dataclass
@@ -180,13 +235,17 @@ def chain_step_batch(positions: torch.Tensor, table_slots: torch.Tensor, kv: KVC
     once and shared by the chain's steps; keys after each position are masked, so nothing past it
     is read (table entries there may be unset: slot 0, page 0)."""
     batch, width = table_slots.shape
-    device = positions.device
-    k_idx = torch.arange(width, device=device)
-    rows = torch.arange(batch, device=device)
-    part = AttentionPart(read_slots=table_slots, query_rows=rows[:, None],
-                         mask=(k_idx[None, :] <= positions[:, None])[:, None, None, :], token_rows=rows,
-                         read_pages=pages_of(table_slots, kv.page_size))
-    return AttentionBatch(positions=positions, write_slots=table_slots[rows, positions], parts=[part], kv=kv)
+    rows = torch.arange(batch, device=positions.device)
+    ones = torch.ones_like(positions)
+    layout = SeqLayout(q_start=rows, q_lens=ones, kv_lens=positions + 1, rows=rows, table=table_slots, max_q=1)
+
+    def build() -> Built:
+        k_idx = torch.arange(width, device=positions.device)
+        part = AttentionPart(read_slots=table_slots, query_rows=rows[:, None],
+                             mask=(k_idx[None, :] <= positions[:, None])[:, None, None, :], token_rows=rows,
+                             read_pages=pages_of(table_slots, kv.page_size))
+        return positions, table_slots[rows, positions], [part]
+    return AttentionBatch(kv, layout, build)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

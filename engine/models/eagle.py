@@ -67,8 +67,7 @@ class LlamaForCausalLMEagle(DraftHead):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], dim=-1))
-        cos, sin = self.rotary(batch.positions, x.dtype)
-        return self.layers[0](x, cos, sin, batch)
+        return self.layers[0](x, self.rotary(batch, x.dtype), batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight()).float()

@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.models.attention import AttentionBatch
 from engine.models.base import CausalLM, DraftHead
-from engine.models.layers import (GatedMLP, RMSNorm, RotaryEmbedding, check_dense_attention, config_value,
+from engine.models.layers import (GatedMLP, RMSNorm, Rope, RotaryEmbedding, check_dense_attention, config_value,
                                   head_dim_of, rope_parameters)
 from engine.models.llama import make_attention
 
@@ -35,11 +35,10 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)))
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.add_and_norm(hidden, self.self_attn(x, rope, batch))
+        return h + self.mlp(normed)
 
 
 def eagle_config_value(config, name: str):
@@ -128,8 +127,7 @@ class LlamaForCausalLMEagle3(DraftHead):
         if hidden.shape[-1] != self.hidden_size:
             hidden = self.fc(hidden)
         embeds = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(batch.positions, hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, batch)
+        return self.midlayer(embeds, hidden, self.rotary(batch, hidden.dtype), batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(hidden), self.lm_head_weight()).float()

@@ -7,6 +7,7 @@ maps names by stripping prefixes only.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,8 +41,18 @@ def check_dense_attention(config) -> None:
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
 
 
+def use_cpu_kernels(model: nn.Module, kernels) -> None:
+    """Run the model's norms, SwiGLU and attention through the native CPU kernels
+    (devices/cpu_native.py); None: the pure-torch path. Both compute the same function."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, GatedMLP)):
+            module.kernels = kernels
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back before the weight (as HF does)."""
+
+    kernels = None          # the native CPU kernels, when the model runs them (use_cpu_kernels)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -49,9 +60,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) for h = x + delta: a residual add and the norm after it."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        h = x + delta
+        return h, self(h)
 
 
 # ---------------------------------------------------------------------------- rotary embedding
@@ -103,18 +123,38 @@ def llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the positions of one forward, shared by all layers."""
+    """The rotary embedding of one forward (`Rope`), shared by all layers."""
 
     def __init__(self, head_dim: int, params: dict):
         super().__init__()
         # Built on the CPU even when the model is constructed on `meta`; model.to(device) moves it.
         self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, params), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, head_dim], angles computed in float32."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+    def forward(self, batch: AttentionBatch, dtype: torch.dtype) -> "Rope":
+        return Rope(self.inv_freq.float(), batch, dtype)
+
+
+class Rope:
+    """inv_freq [head_dim / 2] in float32 (what the native kernels read, with the positions from the
+    batch's layout) and, built on first use, the pure-torch path's cos/sin tables [T, head_dim] for
+    the batch's positions, angles computed in float32."""
+
+    def __init__(self, inv_freq: torch.Tensor, batch: AttentionBatch, dtype: torch.dtype):
+        self.inv_freq, self.batch, self.dtype = inv_freq, batch, dtype
+        self.native_table: torch.Tensor | None = None
+
+    def native(self, kernels, tokens: int) -> torch.Tensor:
+        """The native kernels' [T, head_dim] cos | sin table, computed by the first layer that asks."""
+        if self.native_table is None:
+            seqs = self.batch.layout
+            self.native_table = kernels.rope_table(seqs.q_start, seqs.q_lens, seqs.kv_lens, tokens, self.inv_freq)
+        return self.native_table
+
+    @functools.cached_property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self.batch.positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,11 +200,20 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = stacked_linear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
+    kernels = None          # the native CPU kernels, when the model runs them (use_cpu_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:                       # as built (training tools): apart
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+# The native attention walks keys one query at a time; past this many queries a sequence (prompt
+# chunks) the pure-torch path's batched products are faster (bench/cpu_kernels.py measures both).
+NATIVE_ATTENTION_MAX_Q = 16
 
 
 class Attention(nn.Module):
@@ -202,14 +251,30 @@ class Attention(nn.Module):
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    kernels = None          # the native CPU kernels, when the model runs them (use_cpu_kernels)
+
+    def forward(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
         tokens = x.shape[0]
+        if (self.kernels is not None and self.qkv_proj is not None and batch.layout.max_q <= NATIVE_ATTENTION_MAX_Q
+                and batch.kv.k[self.layer_id].dtype == x.dtype):
+            return self.o_proj(self.native(self.qkv_proj(x), rope, batch))
         q, k, v = self.project(x)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope.tables
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, self.layer_id, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def native(self, qkv: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
+        """qk-norm, rotary, KV write and attention over the slot table in one native call: [T, H * D]."""
+        seqs, kv = batch.layout, batch.kv
+        norms = (None, None, 0.0)
+        if self.q_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return self.kernels.attention(qkv, self.num_heads, self.num_kv_heads, self.head_dim, kv.k[self.layer_id],
+                                      kv.v[self.layer_id], seqs.q_start, seqs.q_lens, seqs.kv_lens, seqs.rows,
+                                      seqs.table, rope.native(self.kernels, qkv.shape[0]), *norms, self.scale)

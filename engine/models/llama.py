@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.models.attention import AttentionBatch
 from engine.models.base import CausalLM, ModelOutput
-from engine.models.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbedding, check_dense_attention,
+from engine.models.layers import (Attention, GatedMLP, RMSNorm, Rope, RotaryEmbedding, check_dense_attention,
                                   config_value, head_dim_of, rope_parameters)
 
 
@@ -33,10 +33,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
         normed = self.input_layernorm(x) if self.input_layernorm is not None else x
-        h = x + self.self_attn(normed, cos, sin, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, rope, batch))
+        return h + self.mlp(normed)
 
 
 def make_attention(config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
@@ -112,13 +112,13 @@ class LlamaForCausalLM(CausalLM):
 
     def run_layers(self, input_ids: torch.Tensor, batch: AttentionBatch, capture_aux: bool) -> ModelOutput:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(batch.positions, x.dtype)
+        rope = self.rotary(batch, x.dtype)
         wanted = set(self.aux_layer_ids) if capture_aux else set()
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 captured[i] = x
-            x = layer(x, cos, sin, batch)
+            x = layer(x, rope, batch)
         if self.num_layers in wanted:
             captured[self.num_layers] = x
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if captured else None

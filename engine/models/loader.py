@@ -28,7 +28,8 @@ import torch
 from safetensors import safe_open
 
 from engine.models.base import ARCHITECTURES, CausalLM, DraftHead, model_class
-from engine.models.layers import stack_projections
+from devices.cpu_native import cpu_kernels as load_cpu_kernels
+from engine.models.layers import stack_projections, use_cpu_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -51,9 +52,10 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch
 
 # ---------------------------------------------------------------------------- entry points
 
-def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[CausalLM, object]:
-    """Target model and its transformers config from a local HF checkpoint folder."""
+def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
+               cpu_kernels: str = "auto") -> tuple[CausalLM, object]:
+    """Target model and its transformers config from a local HF checkpoint folder. cpu_kernels: on
+    the CPU, whether the layers run the native kernels (devices/cpu_native.py)."""
     from transformers import AutoConfig
 
     folder = Path(path)
@@ -61,12 +63,12 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
     if issubclass(cls, DraftHead):
         raise CheckpointError(f"{folder} holds a draft head ({cls.__name__}); load it with load_draft()")
     config = AutoConfig.from_pretrained(folder)
-    return build_and_load(cls, config, folder, resolve_dtype(dtype, device), device), config
+    return build_and_load(cls, config, folder, resolve_dtype(dtype, device), device, cpu_kernels), config
 
 
 def load_draft(path: str | Path, target: CausalLM, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu",
-               token_map: str | Path | None = None) -> tuple[DraftHead, SimpleNamespace]:
+               device: torch.device | str = "cpu", token_map: str | Path | None = None,
+               cpu_kernels: str = "auto") -> tuple[DraftHead, SimpleNamespace]:
     """EAGLE / EAGLE-3 head bound to `target` (shared embeddings / LM head, aux capture layers),
     drafting only the token map's ids when one is given.
     Its config is config.json read as plain attributes (EAGLE layouts are not transformers models)."""
@@ -75,7 +77,7 @@ def load_draft(path: str | Path, target: CausalLM, dtype: torch.dtype | str = to
     if not issubclass(cls, DraftHead):
         raise CheckpointError(f"{folder} holds {cls.__name__}, not a draft head; load it with load_model()")
     config = SimpleNamespace(**read_config_json(folder))
-    head = build_and_load(cls, config, folder, resolve_dtype(dtype, device), device)
+    head = build_and_load(cls, config, folder, resolve_dtype(dtype, device), device, cpu_kernels)
     head.bind_target(target)
     if token_map is not None:
         try:
@@ -125,7 +127,8 @@ def architecture_class(folder: Path) -> type:
 
 # ---------------------------------------------------------------------------- building
 
-def build_and_load(cls: type, config, folder: Path, dtype: torch.dtype, device: torch.device | str):
+def build_and_load(cls: type, config, folder: Path, dtype: torch.dtype, device: torch.device | str,
+                   cpu_kernels: str = "auto"):
     try:
         with torch.device("meta"):
             model = cls(config)
@@ -150,6 +153,8 @@ def build_and_load(cls: type, config, folder: Path, dtype: torch.dtype, device: 
     model.to(device)                                           # non-persistent buffers (rotary inv_freq)
     model.requires_grad_(False)
     stack_projections(model)
+    if torch.device(device).type == "cpu":
+        use_cpu_kernels(model, load_cpu_kernels(cpu_kernels))
     return model.eval()
 
 

@@ -1,0 +1,371 @@
+// Native CPU kernels for a decoder layer's glue: RMSNorm (with the residual add), SwiGLU's
+// silu(gate) * up, and attention that applies the rotary embedding, writes the new keys and
+// values into the slot-indexed KV cache and attends over each sequence's cached keys in place
+// (no gather of the keys into a padded batch, no mask tensor).
+//
+// Each is one call from Python where the pure-torch path (engine/models/layers.py) runs 5-20
+// small operators; the matrix products stay with torch (oneDNN/MKL). Loaded by
+// devices/cpu_native.py, which falls back to the pure-torch path when this does not build.
+//
+// Layout (engine/models/attention.py: SeqLayout): sequence b owns tokens q_start[b] ..
+// q_start[b] + q_len[b] of the batch; its kv_len[b] positions include them, so token i of b sits
+// at position kv_len[b] - q_len[b] + i and sees keys 0 ..= that position. table[rows[b]][p] is
+// the KV slot of position p of sequence b.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+void check_cpu_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit stride along the width");
+}
+
+// e^x to about 1 ulp for x in [-87, 88] (clamped there): Cephes' range reduction and polynomial,
+// written so that the compiler vectorizes a loop of it (libm's expf is a call per element, and was
+// most of the softmax's and the SiLU's time).
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// out = weight * (x / rms(x)), normalized in float32 and rounded to the input dtype before the
+// weight (as the pure-torch RMSNorm and Hugging Face do).
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, T* out, int64_t width, float eps) {
+  float sum = 0.f;
+_Pragma("omp simd reduction(+ : sum)")
+  for (int64_t j = 0; j < width; ++j) sum += to_float(x[j]) * to_float(x[j]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+  for (int64_t j = 0; j < width; ++j) {
+    const T normed = static_cast<T>(to_float(x[j]) * inv);
+    out[j] = static_cast<T>(to_float(weight[j]) * to_float(normed));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  const auto x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
+  auto out = at::empty_like(x);
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(weight.numel() == width && weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be [", width, "] of the input's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const auto* xp = x.data_ptr<scalar_t>();
+    const auto* wp = weight.contiguous().data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rms_norm_rows(xp + r * width, wp, op + r * width, width, static_cast<float>(eps));
+    });
+  });
+  return out.view(x_in.sizes());
+}
+
+// (h, norm(h)) with h = x + delta: the residual add and the next RMSNorm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& delta_in,
+                                                const at::Tensor& weight, double eps) {
+  const auto x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
+  const auto delta = delta_in.reshape({-1, x_in.size(-1)}).contiguous();
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(), "add_rms_norm: x and delta differ");
+  auto h = at::empty_like(x);
+  auto out = at::empty_like(x);
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(weight.numel() == width && weight.scalar_type() == x.scalar_type(), "add_rms_norm: weight must be [", width, "] of the input's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const auto* xp = x.data_ptr<scalar_t>();
+    const auto* dp = delta.data_ptr<scalar_t>();
+    const auto* wp = weight.contiguous().data_ptr<scalar_t>();
+    auto* hp = h.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t j = 0; j < width; ++j) hp[r * width + j] = static_cast<scalar_t>(to_float(xp[r * width + j]) + to_float(dp[r * width + j]));
+        rms_norm_rows(hp + r * width, wp, op + r * width, width, static_cast<float>(eps));
+      }
+    });
+  });
+  return {h.view(x_in.sizes()), out.view(x_in.sizes())};
+}
+
+// [T, 2I] (gate | up) -> [T, I]: silu(gate) * up, each rounded to the dtype as torch's two ops do.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * inter, "silu_mul: the width must be even");
+  auto out = at::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const auto* gp = gate_up.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = gp + r * stride;
+        const scalar_t* u = g + inter;
+        scalar_t* o = op + r * inter;
+_Pragma("omp simd")
+        for (int64_t j = 0; j < inter; ++j) {
+          const float gate = to_float(g[j]);
+          const scalar_t act = static_cast<scalar_t>(gate / (1.f + fast_exp(-gate)));
+          o[j] = static_cast<scalar_t>(to_float(act) * to_float(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+struct Heads {
+  int64_t q, kv, dim;
+};
+
+// One head vector (dim floats) normalized in place (Qwen3's per-head RMSNorm before the rotary embedding).
+template <typename T>
+void head_norm(float* v, const T* weight, int64_t dim, float eps) {
+  float sum = 0.f;
+  for (int64_t d = 0; d < dim; ++d) sum += v[d] * v[d];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  for (int64_t d = 0; d < dim; ++d) v[d] = to_float(static_cast<T>(to_float(static_cast<T>(v[d] * inv)) * to_float(weight[d])));
+}
+
+// The half-split rotary embedding of Hugging Face Llama, in place: cos_sin holds cos(angle_j) for
+// j < dim / 2, then sin(angle_j) (one row of rope_table).
+inline void rotate(float* v, const float* cos_sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float c = cos_sin[j], s = cos_sin[half + j];
+    const float a = v[j], b = v[j + half];
+    v[j] = a * c - b * s;
+    v[j + half] = b * c + a * s;
+  }
+}
+
+// [T, head_dim] float32: row t is cos | sin of position(t) * inv_freq (see the layout at the top),
+// computed once a forward and read by every layer's attention.
+at::Tensor rope_table(const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len, int64_t tokens,
+                      const at::Tensor& inv_freq) {
+  const int64_t half = inv_freq.numel(), seqs = q_start.numel();
+  auto table = at::zeros({tokens, 2 * half}, inv_freq.options());
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* kl = kv_len.data_ptr<int64_t>();
+  const float* freq = inv_freq.data_ptr<float>();
+  float* out = table.data_ptr<float>();
+  for (int64_t b = 0; b < seqs; ++b) {
+    TORCH_CHECK(qs[b] >= 0 && ql[b] >= 0 && qs[b] + ql[b] <= tokens, "rope_table: sequence ", b, " outside the tokens");
+    for (int64_t i = 0; i < ql[b]; ++i) {
+      const float position = static_cast<float>(kl[b] - ql[b] + i);
+      float* row = out + (qs[b] + i) * 2 * half;
+      for (int64_t j = 0; j < half; ++j) {
+        const float angle = position * freq[j];
+        row[j] = std::cos(angle);
+        row[half + j] = std::sin(angle);
+      }
+    }
+  }
+  return table;
+}
+
+template <typename T>
+void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
+                    const at::Tensor& rows, const at::Tensor& table, const at::Tensor& rope,
+                    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                    double norm_eps, double scale, at::Tensor& out) {
+  const int64_t tokens = qkv.size(0), seqs = q_start.size(0), dim = heads.dim;
+  const int64_t qkv_stride = qkv.stride(0), num_slots = k_cache.size(0), width = table.size(1);
+  const int64_t table_stride = table.stride(0);
+  const int64_t group = heads.q / heads.kv;
+  const T* src = qkv.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* kl = kv_len.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  const int64_t* tb = table.data_ptr<int64_t>();
+  const float* cos_sin = rope.data_ptr<float>();
+  const T* qn = q_norm ? q_norm->data_ptr<T>() : nullptr;
+  const T* kn = k_norm ? k_norm->data_ptr<T>() : nullptr;
+  const float eps = static_cast<float>(norm_eps);
+
+  // Which sequence each token belongs to, its position, and the slot its key goes to.
+  std::vector<int64_t> seq_of(tokens, -1), pos_of(tokens, 0);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < seqs; ++b) {
+    TORCH_CHECK(ql[b] >= 0 && ql[b] <= kl[b] && kl[b] <= width && qs[b] >= 0 && qs[b] + ql[b] <= tokens,
+                "attention: sequence ", b, " has q_start ", qs[b], ", q_len ", ql[b], ", kv_len ", kl[b],
+                " (", tokens, " tokens, table width ", width, ")");
+    for (int64_t i = 0; i < ql[b]; ++i) {
+      seq_of[qs[b] + i] = b;
+      pos_of[qs[b] + i] = kl[b] - ql[b] + i;
+    }
+    longest = std::max(longest, kl[b]);
+  }
+  auto slot_at = [&](int64_t b, int64_t pos) {
+    const int64_t slot = tb[rw[b] * table_stride + pos];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "attention: slot ", slot, " outside the cache (", num_slots, " slots)");
+    return slot;
+  };
+
+  T* dst = out.data_ptr<T>();
+
+  // Pass 1: rotate the queries (kept in float32) and the new keys; write keys and values to the cache.
+  std::vector<float> queries(tokens * heads.q * dim);
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> key(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      if (seq_of[t] < 0) {                         // a token no sequence owns: zeros out
+        for (int64_t d = 0; d < heads.q * dim; ++d) dst[t * heads.q * dim + d] = static_cast<T>(0.f);
+        continue;
+      }
+      const T* row = src + t * qkv_stride;
+      for (int64_t h = 0; h < heads.q; ++h) {
+        float* q = queries.data() + (t * heads.q + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) q[d] = to_float(row[h * dim + d]);
+        if (qn) head_norm(q, qn, dim, eps);
+        rotate(q, cos_sin + t * dim, dim);
+      }
+      const int64_t slot = slot_at(seq_of[t], pos_of[t]);
+      const T* k_src = row + heads.q * dim;
+      const T* v_src = k_src + heads.kv * dim;
+      for (int64_t h = 0; h < heads.kv; ++h) {
+        for (int64_t d = 0; d < dim; ++d) key[d] = to_float(k_src[h * dim + d]);
+        if (kn) head_norm(key.data(), kn, dim, eps);
+        rotate(key.data(), cos_sin + t * dim, dim);
+        T* k_dst = kc + (slot * heads.kv + h) * dim;
+        T* v_dst = vc + (slot * heads.kv + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          k_dst[d] = static_cast<T>(key[d]);
+          v_dst[d] = v_src[h * dim + d];
+        }
+      }
+    }
+  });
+
+  // Pass 2: each (sequence, kv head) at once: its queries (q_len tokens x the `group` query heads
+  // sharing the kv head) read each key and value row once. Query row r = i * group + g sees keys
+  // 0 ..= position(i).
+  const float softmax_scale = static_cast<float>(scale);
+  at::parallel_for(0, seqs * heads.kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    std::vector<int64_t> slots;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / heads.kv, kv_head = job % heads.kv;
+      const int64_t n_q = ql[b], keys = kl[b], first = keys - n_q, n_rows = n_q * group;
+      if (n_q == 0) continue;
+      scores.assign(n_rows * keys, 0.f);
+      acc.assign(n_rows * dim, 0.f);
+      slots.resize(keys);
+      for (int64_t j = 0; j < keys; ++j) slots[j] = slot_at(b, j);
+      auto query = [&](int64_t r) {           // row r's query vector (token q_start + r / group)
+        return queries.data() + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
+      };
+      for (int64_t j = 0; j < keys; ++j) {
+        const T* k = kc + (slots[j] * heads.kv + kv_head) * dim;
+        // rows of queries at positions >= j: all of them for j <= first, fewer for the new keys
+        const int64_t from = j <= first ? 0 : (j - first) * group;
+        for (int64_t r = from; r < n_rows; ++r) {
+          const float* q = query(r);
+          float dot = 0.f;
+_Pragma("omp simd reduction(+ : dot)")
+          for (int64_t d = 0; d < dim; ++d) dot += q[d] * to_float(k[d]);
+          scores[r * keys + j] = dot * softmax_scale;
+        }
+      }
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const int64_t visible = first + r / group + 1;
+        float* row = scores.data() + r * keys;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < visible; ++j) top = std::max(top, row[j]);
+        float total = 0.f;
+_Pragma("omp simd reduction(+ : total)")
+        for (int64_t j = 0; j < visible; ++j) {
+          row[j] = fast_exp(row[j] - top);
+          total += row[j];
+        }
+        const float norm = 1.f / total;
+        for (int64_t j = 0; j < visible; ++j) row[j] *= norm;
+      }
+      for (int64_t j = 0; j < keys; ++j) {
+        const T* v = vc + (slots[j] * heads.kv + kv_head) * dim;
+        const int64_t from = j <= first ? 0 : (j - first) * group;
+        for (int64_t r = from; r < n_rows; ++r) {
+          const float p = scores[r * keys + j];
+          float* a = acc.data() + r * dim;
+_Pragma("omp simd")
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * to_float(v[d]);
+        }
+      }
+      for (int64_t r = 0; r < n_rows; ++r) {
+        T* o = dst + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[r * dim + d]);
+      }
+    }
+  });
+}
+
+// qkv [T, (H + 2 Hkv) * D] (the stacked projection's output); returns [T, H * D].
+at::Tensor attention(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& q_start, const at::Tensor& q_len,
+                     const at::Tensor& kv_len, const at::Tensor& rows, const at::Tensor& table,
+                     const at::Tensor& rope, const c10::optional<at::Tensor>& q_norm,
+                     const c10::optional<at::Tensor>& k_norm, double norm_eps, double scale) {
+  check_cpu_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "attention: qkv width ", qkv.size(1),
+              " is not (", num_heads, " + 2 * ", num_kv_heads, ") * ", head_dim);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0, "attention: bad head counts");
+  for (const auto* cache : {&k_cache, &v_cache}) {
+    TORCH_CHECK(cache->is_contiguous() && cache->dim() == 3 && cache->size(1) == num_kv_heads && cache->size(2) == head_dim &&
+                cache->scalar_type() == qkv.scalar_type(), "attention: the KV cache must be contiguous [slots, ", num_kv_heads,
+                ", ", head_dim, "] of the activations' dtype");
+  }
+  for (const auto* t : {&q_start, &q_len, &kv_len, &rows}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == q_start.numel(), "attention: lengths must be int64 [B]");
+  }
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.stride(1) == 1,
+              "attention: table must be int64 [rows, width] with unit stride along the width");
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 2 && rope.size(0) == qkv.size(0) &&
+              rope.size(1) == head_dim, "attention: rope must be float32 [T, head_dim] (rope_table)");
+  const int64_t seqs = rows.numel();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < seqs; ++b) TORCH_CHECK(rw[b] >= 0 && rw[b] < table.size(0), "attention: row ", rw[b], " outside the table");
+  auto out = at::empty({qkv.size(0), num_heads * head_dim}, qkv.options());
+  const Heads heads{num_heads, num_kv_heads, head_dim};
+  c10::optional<at::Tensor> qn, kn;
+  if (q_norm) qn = q_norm->contiguous();
+  if (k_norm) kn = k_norm->contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "attention", [&] {
+    attention_impl<scalar_t>(qkv, heads, k_cache, v_cache, q_start, q_len, kv_len, rows, table, rope, qn, kn,
+                             norm_eps, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a stacked [T, 2I] gate|up");
+  m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention");
+  m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache");
+}

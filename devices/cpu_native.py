@@ -1,0 +1,95 @@
+"""The native CPU kernels (devices/cpu_kernels.cpp), built once with torch.utils.cpp_extension.
+
+    kernels = cpu_kernels("auto")     # the module, or None: the pure-torch path
+
+`scripts/bootstrap.sh` builds them at set-up (`python -m devices.cpu_native`), so a server finds
+them ready; the build lives in `.build/cpu_kernels` (per machine: it is compiled for this CPU).
+Choices, from `--cpu-kernels`: "auto" uses them when they build and says so in the log, else
+falls back to pure torch with the reason; "native" insists (an error if they do not build);
+"torch" never loads them.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+DEFAULT_BUILD_DIR = Path(__file__).resolve().parents[1] / ".build" / "cpu_kernels"
+BUILD_DIR = Path(os.environ.get("TANDEM_NATIVE_BUILD_DIR", DEFAULT_BUILD_DIR))
+CHOICES = ("auto", "native", "torch")
+# -fno-math-errno / -fno-trapping-math let loops of floor, division and exp vectorize; they change no result.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """--cpu-kernels native, but the kernels did not build or load."""
+
+
+@functools.cache
+def build() -> ModuleType:
+    """Compile (or reuse the up-to-date build) and import the extension; raises on failure."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise NativeKernelsUnavailable("no C++ compiler (set CXX or install g++)")
+    from torch.utils.cpp_extension import load
+
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    if not any(BUILD_DIR.glob("*.so")):
+        log.info("building the native CPU kernels in %s (once; about 30 s)", BUILD_DIR)
+    return load(name="tandem_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                build_directory=str(BUILD_DIR), verbose=False)
+
+
+def cpu_kernels(choice: str = "auto") -> ModuleType | None:
+    """The kernels for a CPU model, or None for the pure-torch path (see the module docstring)."""
+    if choice not in CHOICES:
+        raise ValueError(f"cpu kernels {choice!r}: choose one of {', '.join(CHOICES)}")
+    if choice == "torch":
+        return None
+    try:
+        return build()
+    except Exception as exc:                    # a missing compiler, a failed build: say why, fall back
+        if choice == "native":
+            raise NativeKernelsUnavailable(f"native CPU kernels unavailable: {exc}") from exc
+        log_fallback(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+        return None
+
+
+def cpu_features() -> list[str]:
+    """The CPU's vector features that matter to the kernels and to torch's products (Linux)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    have = set(flags.split(":", 1)[1].split())
+    return [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in have]
+
+
+def describe_cpu_path(model) -> str:
+    """The start-up log's line: which path the layers run, and what the CPU offers."""
+    import torch
+
+    native = any(getattr(m, "kernels", None) is not None for m in model.modules())
+    path = f"native kernels ({BUILD_DIR})" if native else "pure torch"
+    features = ", ".join(cpu_features()) or "no AVX2"
+    return f"{path} for norms, SwiGLU and attention; torch {torch.__version__} products; CPU features: {features}"
+
+
+@functools.cache
+def log_fallback(reason: str) -> None:
+    log.warning("native CPU kernels unavailable (%s): running the pure-torch path", reason)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        build()
+        print(f"native CPU kernels built in {BUILD_DIR}")
+    except Exception as error:                  # set-up goes on: the server falls back to pure torch
+        print(f"warning: native CPU kernels did not build ({error}); the server will run the pure-torch path")
+        raise SystemExit(1) from None

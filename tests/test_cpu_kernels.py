@@ -1,0 +1,182 @@
+"""The native CPU kernels (devices/cpu_kernels.cpp) against the pure-torch path they replace:
+each kernel alone, attention over random slot tables (prompt chunks, decodes, verify runs,
+GQA, qk-norm), the checks that refuse bad layouts, the fallback when nothing builds, and a
+whole model's logits on both paths."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from devices import cpu_native
+from engine.models.attention import KVCache, build_attention_batch, chain_step_batch, paged_attention
+from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from tests.server_harness import DENSE
+
+kernels = cpu_native.cpu_kernels("auto")
+pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernels did not build here")
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_swiglu_match_torch(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, delta = (torch.randn(7, 96, generator=gen).to(dtype) for _ in range(2))
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    torch.testing.assert_close(kernels.rms_norm(x, norm.weight, norm.eps), norm(x), **tolerance(dtype))
+    h, normed = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+    torch.testing.assert_close(h, x + delta)
+    torch.testing.assert_close(normed, norm(x + delta), **tolerance(dtype))
+    gate_up = (torch.randn(5, 2 * 50, generator=gen) * 8).to(dtype)        # large |gate|: exp's range ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
+
+
+def torch_attention(qkv, heads, kv_heads, dim, kv, batch, inv_freq, q_norm=None):
+    """The pure-torch path of Attention.forward after the projection."""
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q, k, v = q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim), v.reshape(tokens, kv_heads, dim)
+    if q_norm is not None:
+        q, k = q_norm(q), q_norm(k)
+    freqs = batch.positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos().to(qkv.dtype), angles.sin().to(qkv.dtype)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return paged_attention(q, k, v, 0, batch, dim ** -0.5).reshape(tokens, heads * dim)
+
+
+def native_attention(qkv, heads, kv_heads, dim, kv, batch, inv_freq, q_norm=None):
+    seqs = batch.layout
+    rope = kernels.rope_table(seqs.q_start, seqs.q_lens, seqs.kv_lens, qkv.shape[0], inv_freq)
+    norms = (q_norm.weight, q_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 0.0)
+    return kernels.attention(qkv, heads, kv_heads, dim, kv.k[0], kv.v[0], seqs.q_start, seqs.q_lens, seqs.kv_lens,
+                             seqs.rows, seqs.table, rope, *norms, dim ** -0.5)
+
+
+def random_cache(slots: int, kv_heads: int, dim: int, dtype, gen, page_size: int = 1) -> KVCache:
+    kv = KVCache.allocate(1, slots, kv_heads, dim, dtype, page_size=page_size)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    return kv
+
+
+def copy_of(kv: KVCache) -> KVCache:
+    return KVCache(k=[kv.k[0].clone()], v=[kv.v[0].clone()], page_size=kv.page_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,qk_norm", [(4, 2, False), (6, 1, False), (4, 4, True)])
+def test_attention_matches_the_torch_path(dtype, heads, kv_heads, qk_norm):
+    """A batch of a prompt chunk, decodes and verify-like runs over a shuffled slot table: the same
+    outputs and the same keys and values written to the cache."""
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    dim, page = 16, 4
+    q_lens, kv_lens, rows = [9, 1, 4, 1, 3], [9, 40, 23, 1, 61], [3, 0, 4, 2, 1]
+    pages = torch.randperm(5 * 64 // page, generator=gen)             # KVPool's layout: whole pages, shuffled
+    table = (pages[:, None] * page + torch.arange(page)).view(5, 64)
+    kv = random_cache(5 * 64, kv_heads, dim, dtype, gen, page)
+    batch = build_attention_batch(torch.tensor(q_lens), torch.tensor(kv_lens), torch.tensor(rows), table,
+                                  max(q_lens), max(kv_lens), kv)
+    qkv = torch.randn(sum(q_lens), (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    inv_freq = RotaryEmbedding(dim, {"rope_type": "default", "rope_theta": 10000.0}).inv_freq
+    q_norm = None
+    if qk_norm:
+        q_norm = RMSNorm(dim, 1e-6).to(dtype)
+        q_norm.weight.data = torch.rand(dim, generator=gen).to(dtype) + 0.5
+    torch_kv, native_kv = copy_of(kv), copy_of(kv)
+    want = torch_attention(qkv, heads, kv_heads, dim, torch_kv, batch.with_kv(torch_kv), inv_freq, q_norm)
+    got = native_attention(qkv, heads, kv_heads, dim, native_kv, batch.with_kv(native_kv), inv_freq, q_norm)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    torch.testing.assert_close(native_kv.k[0], torch_kv.k[0], **tolerance(dtype))
+    torch.testing.assert_close(native_kv.v[0], torch_kv.v[0])
+
+
+def test_attention_reads_a_chain_steps_table_slice():
+    """chain_step_batch's table is a column slice of the slot table (rows strided): read in place."""
+    gen = torch.Generator().manual_seed(3)
+    kv = random_cache(256, 2, 8, torch.float32, gen)
+    table = torch.randperm(256, generator=gen)[:240].view(4, 60)
+    rows, positions = torch.tensor([2, 0, 3]), torch.tensor([5, 31, 0])
+    inv_freq = RotaryEmbedding(8, {"rope_type": "default", "rope_theta": 10000.0}).inv_freq
+    qkv = torch.randn(3, 8 * 8, generator=gen)
+    batch = chain_step_batch(positions, table[rows][:, :40], kv)
+    assert not batch.layout.table.is_contiguous()
+    torch_kv, native_kv = copy_of(kv), copy_of(kv)
+    want = torch_attention(qkv, 4, 2, 8, torch_kv, batch.with_kv(torch_kv), inv_freq)
+    got = native_attention(qkv, 4, 2, 8, native_kv, batch.with_kv(native_kv), inv_freq)
+    torch.testing.assert_close(got, want)
+
+
+def test_attention_refuses_bad_layouts_without_writing():
+    gen = torch.Generator().manual_seed(4)
+    kv = random_cache(32, 1, 8, torch.float32, gen)
+    inv_freq = torch.ones(4)
+    qkv = torch.randn(2, 3 * 8)
+    rope = kernels.rope_table(torch.tensor([0]), torch.tensor([2]), torch.tensor([2]), 2, inv_freq)
+    one = torch.tensor([0])
+
+    def call(table, q_len=2, kv_len=2, row=0):
+        return kernels.attention(qkv, 1, 1, 8, kv.k[0], kv.v[0], one, torch.tensor([q_len]), torch.tensor([kv_len]),
+                                 torch.tensor([row]), table, rope, None, None, 0.0, 1.0)
+    before = kv.k[0].clone()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call(torch.tensor([[0, 99]]))
+    with pytest.raises(RuntimeError, match="row 3 outside the table"):
+        call(torch.tensor([[0, 1]]), row=3)
+    with pytest.raises(RuntimeError, match="q_len 2, kv_len 9"):
+        call(torch.tensor([[0, 1]]), kv_len=9)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        kernels.attention(qkv, 1, 1, 8, kv.k[0], kv.v[0], one, torch.tensor([2]), torch.tensor([2]), one,
+                          torch.tensor([[0, 1]]), rope.double(), None, None, 0.0, 1.0)
+    assert torch.equal(kv.k[0][1:], before[1:])      # the checks run before anything is written past slot 0
+
+
+def test_without_a_compiler_auto_falls_back_and_native_refuses(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    cpu_native.build.cache_clear()
+    cpu_native.log_fallback.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="devices.cpu_native"):
+            assert cpu_native.cpu_kernels("auto") is None
+        assert "native CPU kernels unavailable" in caplog.text and "pure-torch path" in caplog.text
+        with pytest.raises(cpu_native.NativeKernelsUnavailable, match="no C\\+\\+ compiler"):
+            cpu_native.cpu_kernels("native")
+        assert cpu_native.cpu_kernels("torch") is None
+        with pytest.raises(ValueError, match="choose one of"):
+            cpu_native.cpu_kernels("fast")
+    finally:
+        cpu_native.build.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_gives_the_same_logits_on_both_paths(dtype):
+    """Prompt chunks, then steps of decodes and multi-token (verify-like) runs side by side."""
+    from engine.models.loader import load_model
+    from engine.models.testing import PagedRunner
+
+    logits = {}
+    for choice in ("torch", "native"):
+        model, _ = load_model(DENSE, dtype, "cpu", cpu_kernels=choice)
+        assert (model.layers[0].self_attn.kernels is None) == (choice == "torch")
+        runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
+        gen = torch.Generator().manual_seed(0)
+        steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]
+        steps += [[(0, [i + 1]), (1, [i + 7, i + 8, i + 9]), (2, [3, 4] if i == 0 else [i])] for i in range(5)]
+        outs = []
+        with torch.inference_mode():
+            for chunks in steps:
+                ids, batch = runner.step(chunks)
+                outs.append(model.compute_logits(model(ids, batch).hidden))
+        logits[choice] = torch.cat(outs)
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits["native"], logits["torch"], atol=1e-4, rtol=1e-4)
+    else:       # bf16 rounds at different places on the two paths: the same tokens nearly everywhere
+        same = (logits["native"].argmax(-1) == logits["torch"].argmax(-1)).float().mean()
+        assert same >= 0.95 and (logits["native"] - logits["torch"]).abs().max() < 0.5
