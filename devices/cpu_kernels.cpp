@@ -360,12 +360,78 @@ at::Tensor attention(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_he
   return out;
 }
 
+// y [M, N] = x [M, K] @ (W * scale)^T (+ bias): weight-only int8, one scale per output channel, for
+// a few rows (decode, verify, draft steps) where reading the weights is the cost: a quarter of the
+// bytes of float32. W is packed [N / 64, K, 64] (int8_pack in engine/models/quant.py): 64 output
+// channels side by side, so the products run along the outputs with no horizontal sums, and the
+// weights stream through once per four rows of x.
+constexpr int64_t PACK = 64;
+
+template <int R, typename T>
+void int8_block(const float* x, int64_t k_dim, const int8_t* w, const float* scale, const T* bias, T* y,
+                int64_t n_dim, int64_t n0) {
+  float acc[R][PACK] = {};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const int8_t* wk = w + k * PACK;
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * k_dim + k];
+_Pragma("omp simd")
+      for (int64_t j = 0; j < PACK; ++j) acc[r][j] += xr * static_cast<float>(wk[j]);
+    }
+  }
+  const int64_t width = std::min(PACK, n_dim - n0);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < width; ++j) {
+      const float add = bias ? to_float(bias[n0 + j]) : 0.f;
+      y[r * n_dim + n0 + j] = static_cast<T>(acc[r][j] * scale[n0 + j] + add);
+    }
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == PACK && packed.is_contiguous(),
+              "int8_linear: weight must be packed contiguous int8 [N / 64, K, 64]");
+  const int64_t k_dim = packed.size(1), n_dim = scale.numel();
+  TORCH_CHECK(x_in.size(-1) == k_dim, "int8_linear: input width ", x_in.size(-1), " != weight's ", k_dim);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && n_dim <= packed.size(0) * PACK &&
+              n_dim > (packed.size(0) - 1) * PACK, "int8_linear: scale must be float32 [N] for the packed blocks");
+  const auto x = x_in.reshape({-1, k_dim}).to(at::kFloat).contiguous();
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = n_dim;
+  auto y = at::empty({x.size(0), n_dim}, x_in.options());
+  c10::optional<at::Tensor> b;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == n_dim && bias->scalar_type() == x_in.scalar_type(), "int8_linear: bias must be [N] of the input's dtype");
+    b = bias->contiguous();
+  }
+  const int64_t rows = x.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_in.scalar_type(), "int8_linear", [&] {
+    const float* xp = x.data_ptr<float>();
+    const int8_t* wp = packed.data_ptr<int8_t>();
+    const float* sp = scale.data_ptr<float>();
+    const scalar_t* bp = b ? b->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int8_t* wb = wp + blk * k_dim * PACK;
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4) int8_block<4>(xp + m * k_dim, k_dim, wb, sp, bp, yp + m * n_dim, n_dim, blk * PACK);
+        for (; m + 2 <= rows; m += 2) int8_block<2>(xp + m * k_dim, k_dim, wb, sp, bp, yp + m * n_dim, n_dim, blk * PACK);
+        for (; m < rows; ++m) int8_block<1>(xp + m * k_dim, k_dim, wb, sp, bp, yp + m * n_dim, n_dim, blk * PACK);
+      }
+    });
+  });
+  return y.view(out_shape);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a stacked [T, 2I] gate|up");
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear, per-output-channel scales");
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention");
   m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache");
 }

@@ -57,6 +57,10 @@ class ServerArgs:
                        ["auto", "cpu", "cuda", "npu"])
     dtype: str = flag("auto", "Weight and activation dtype; auto: bfloat16 on accelerators, float32 on the CPU.",
                       ["auto", "float32", "bfloat16", "float16"])
+    quantization: str | None = flag(None, "Weight quantization after loading: int8 (weight-only, one scale per "
+                                          "output channel; the layers' linears and the LM head). Fast on the CPU "
+                                          "with the native kernels; elsewhere weights are dequantized per product.",
+                                    ["int8"])
     cpu_kernels: str = flag("auto", "On the CPU, the layers' norms, SwiGLU and attention run native kernels "
                                     "(devices/cpu_kernels.cpp, built at set-up): auto uses them when they build, "
                                     "native insists, torch runs pure PyTorch.", ["auto", "native", "torch"])

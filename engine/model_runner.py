@@ -35,7 +35,8 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, device: Device, future_slots: int, dp: DpGroup | None = None):
         self.args, self.device = args, device
         self.dtype = resolve_dtype(args.dtype, device.torch_device)
-        self.model, self.hf_config = load_model(args.model_path, self.dtype, device.torch_device, args.cpu_kernels)
+        self.model, self.hf_config = load_model(args.model_path, self.dtype, device.torch_device, args.cpu_kernels,
+                                                args.quantization)
         if dp is not None and not shard_experts(self.model, dp):
             raise ValueError(f"--enable-dp-attention: {args.model_path} has no MoE layers to split over the ranks")
         self.context_length = args.context_length or self.hf_config.max_position_embeddings
@@ -51,8 +52,9 @@ class ModelRunner:
         self.faults = FaultInjector.from_env()      # a test hook; None unless TANDEM_FAULT_INJECT is set
         self.worker: SpecWorker | None = create_spec_worker(args, self.target) if self.spec_tokens else None
         self.allocate_kv()
-        log.info("loaded %s (%s, %s) on %s; KV cache: %d tokens, context %d; speculation: %s",
-                 Path(args.model_path).name, self.hf_config.architectures[0], self.dtype, dev,
+        log.info("loaded %s (%s, %s%s) on %s; KV cache: %d tokens, context %d; speculation: %s",
+                 Path(args.model_path).name, self.hf_config.architectures[0], self.dtype,
+                 f", {args.quantization} weights" if args.quantization else "", dev,
                  self.num_slots, self.context_length, self.worker.describe() if self.worker else "off")
         if dev.type == "cpu":
             log.info("CPU path: %s", describe_cpu_path(self.model))

@@ -42,7 +42,8 @@ class EagleWorker(SpecWorker):
         super().__init__(args, target)
         dev = target.torch_device
         self.head, _ = load_draft(args.draft_model_path, target.model, target.dtype, dev,
-                                  token_map=args.token_map_path, cpu_kernels=args.cpu_kernels)
+                                  token_map=args.token_map_path, cpu_kernels=args.cpu_kernels,
+                                  quantization=args.quantization)
         self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
         rows, vocab = target.num_rows, target.vocab_size
         self.draft_first = torch.zeros(rows, dtype=torch.long, device=dev)

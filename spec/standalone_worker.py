@@ -43,7 +43,8 @@ class StandaloneWorker(SpecWorker):
     def __init__(self, args, target):
         super().__init__(args, target)
         path = args.draft_model_path
-        self.draft_model, config = load_model(path, target.dtype, target.torch_device, args.cpu_kernels)
+        self.draft_model, config = load_model(path, target.dtype, target.torch_device, args.cpu_kernels,
+                                              args.quantization)
         if config.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {path} has vocab_size {config.vocab_size}, the target "
                              f"{args.model_path} has {target.vocab_size}: a standalone draft must "

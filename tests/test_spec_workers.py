@@ -201,6 +201,21 @@ def test_standalone_with_the_target_as_draft_accepts_every_draft(models, in_proc
     assert set(full_chains(steps)) == {K} and all(n == chain for n, chain in steps)
 
 
+@pytest.mark.parametrize("algorithm", ["eagle", "standalone", "ngram"])
+def test_int8_weights_speculation_is_lossless(models, algorithm):
+    """--quantization int8 (target and draft): every algorithm's greedy output is plain greedy
+    decoding's on the same quantized weights (the native int8 product reads few rows for verify
+    and draft steps and the dequantized product for prompt chunks: the two must agree)."""
+    prompts = mixed_prompts()
+    int8 = ["--quantization", "int8"]
+    reference = generate_in_process(["--model-path", str(models["dense"]), "--speculative-algorithm", "none"] + int8,
+                                    prompts)[0]
+    outputs, steps, _ = generate_in_process(spec_flags(models, "dense", algorithm) + int8, prompts)
+    assert outputs == reference
+    if algorithm != "eagle":                # the random EAGLE head here drafts nothing the target accepts
+        assert any(n > 0 for n, _ in steps)
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_plain_steps_under_load_then_the_draft_catches_up(models, in_process_reference, overlap):
     """--speculative-disable-by-batch-size 4: while 4+ requests decode, steps draft nothing

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import AttentionBatch
@@ -23,7 +24,18 @@ class ModelOutput(NamedTuple):
     aux_hidden: torch.Tensor | None = None  # [T, 3*hidden] residual stream at the EAGLE-3 capture layers
 
 
-class CausalLM(nn.Module, ABC):
+class VocabProjection:
+    """The LM head's product, through the submodule `lm_head_int8` when the model is quantized
+    (engine/models/quant.py: quantize_lm_head)."""
+
+    def project_to_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        quantized = self._modules.get("lm_head_int8")
+        if quantized is not None:
+            return quantized(hidden)
+        return F.linear(hidden, self.lm_head_weight())
+
+
+class CausalLM(VocabProjection, nn.Module, ABC):
     """A target model (dense or MoE)."""
 
     @abstractmethod
@@ -44,7 +56,7 @@ class CausalLM(nn.Module, ABC):
         self.aux_layer_ids = list(layer_ids)
 
 
-class DraftHead(nn.Module, ABC):
+class DraftHead(VocabProjection, nn.Module, ABC):
     """An EAGLE-style draft head that conditions on the target's hidden states.
 
     Its LM head is `lm_head` (its own) or `lm_head_shared` (the target's, bound by bind_target);

@@ -11,7 +11,6 @@ otherwise `bind_target` shares the target's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import AttentionBatch
@@ -66,8 +65,9 @@ class LlamaForCausalLMEagle(DraftHead):
         return 1, attn.num_kv_heads, attn.head_dim
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], dim=-1))
+        embeds = self.embed_tokens(input_ids)
+        x = self.fc(torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1))
         return self.layers[0](x, self.rotary(batch, x.dtype), batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight()).float()
+        return self.project_to_vocab(hidden).float()

@@ -14,7 +14,6 @@ entering layers id + 1; `bind_target` sets that on the target.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import AttentionBatch
@@ -123,14 +122,14 @@ class LlamaForCausalLMEagle3(DraftHead):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """hidden: all rows the target's aux states [T, k*H] (first draft step / draft extend) or
         all rows the head's own output [T, H]; one call never mixes the two."""
-        hidden = hidden.to(self.fc.weight.dtype)
+        embeds = self.embed_tokens(input_ids)
+        hidden = hidden.to(embeds.dtype)
         if hidden.shape[-1] != self.hidden_size:
             hidden = self.fc(hidden)
-        embeds = self.embed_tokens(input_ids)
         return self.midlayer(embeds, hidden, self.rotary(batch, hidden.dtype), batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(hidden), self.lm_head_weight()).float()
+        return self.project_to_vocab(self.norm(hidden)).float()
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         if self.hot_ids is not None or self.d2t is None:         # a token map, or the full vocabulary

@@ -12,7 +12,6 @@ MoE models (`moe.py`) reuse this class and only replace `make_mlp`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import AttentionBatch
@@ -125,7 +124,7 @@ class LlamaForCausalLM(CausalLM):
         return ModelOutput(hidden=self.norm(x), aux_hidden=aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight()).float()
+        return self.project_to_vocab(hidden).float()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from engine.models.base import ARCHITECTURES, CausalLM, DraftHead, model_class
 from devices.cpu_native import cpu_kernels as load_cpu_kernels
 from engine.models.layers import stack_projections, use_cpu_kernels
+from engine.models.quant import quantize, quantize_lm_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -53,9 +54,10 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch
 # ---------------------------------------------------------------------------- entry points
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               cpu_kernels: str = "auto") -> tuple[CausalLM, object]:
+               cpu_kernels: str = "auto", quantization: str | None = None) -> tuple[CausalLM, object]:
     """Target model and its transformers config from a local HF checkpoint folder. cpu_kernels: on
-    the CPU, whether the layers run the native kernels (devices/cpu_native.py)."""
+    the CPU, whether the layers run the native kernels (devices/cpu_native.py); quantization: of the
+    weights after loading (engine/models/quant.py)."""
     from transformers import AutoConfig
 
     folder = Path(path)
@@ -63,12 +65,15 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     if issubclass(cls, DraftHead):
         raise CheckpointError(f"{folder} holds a draft head ({cls.__name__}); load it with load_draft()")
     config = AutoConfig.from_pretrained(folder)
-    return build_and_load(cls, config, folder, resolve_dtype(dtype, device), device, cpu_kernels), config
+    model = build_and_load(cls, config, folder, resolve_dtype(dtype, device), device, cpu_kernels, quantization)
+    quantize_lm_head(model, quantization)
+    use_cpu_kernels(model, model.kernels)
+    return model, config
 
 
 def load_draft(path: str | Path, target: CausalLM, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", token_map: str | Path | None = None,
-               cpu_kernels: str = "auto") -> tuple[DraftHead, SimpleNamespace]:
+               cpu_kernels: str = "auto", quantization: str | None = None) -> tuple[DraftHead, SimpleNamespace]:
     """EAGLE / EAGLE-3 head bound to `target` (shared embeddings / LM head, aux capture layers),
     drafting only the token map's ids when one is given.
     Its config is config.json read as plain attributes (EAGLE layouts are not transformers models)."""
@@ -77,13 +82,15 @@ def load_draft(path: str | Path, target: CausalLM, dtype: torch.dtype | str = to
     if not issubclass(cls, DraftHead):
         raise CheckpointError(f"{folder} holds {cls.__name__}, not a draft head; load it with load_model()")
     config = SimpleNamespace(**read_config_json(folder))
-    head = build_and_load(cls, config, folder, resolve_dtype(dtype, device), device, cpu_kernels)
+    head = build_and_load(cls, config, folder, resolve_dtype(dtype, device), device, cpu_kernels, quantization)
     head.bind_target(target)
     if token_map is not None:
         try:
             head.restrict_vocab(load_token_map(token_map, head.vocab_size))
         except ValueError as exc:
             raise CheckpointError(f"--speculative-token-map {token_map} with the head in {folder}: {exc}") from exc
+    quantize_lm_head(head, quantization)
+    use_cpu_kernels(head, head.kernels)
     return head, config
 
 
@@ -128,7 +135,7 @@ def architecture_class(folder: Path) -> type:
 # ---------------------------------------------------------------------------- building
 
 def build_and_load(cls: type, config, folder: Path, dtype: torch.dtype, device: torch.device | str,
-                   cpu_kernels: str = "auto"):
+                   cpu_kernels: str = "auto", quantization: str | None = None):
     try:
         with torch.device("meta"):
             model = cls(config)
@@ -153,8 +160,9 @@ def build_and_load(cls: type, config, folder: Path, dtype: torch.dtype, device: 
     model.to(device)                                           # non-persistent buffers (rotary inv_freq)
     model.requires_grad_(False)
     stack_projections(model)
-    if torch.device(device).type == "cpu":
-        use_cpu_kernels(model, load_cpu_kernels(cpu_kernels))
+    quantize(model, quantization)
+    model.kernels = load_cpu_kernels(cpu_kernels) if torch.device(device).type == "cpu" else None
+    use_cpu_kernels(model, model.kernels)
     return model.eval()
 
 
