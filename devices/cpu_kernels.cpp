@@ -268,6 +268,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
   at::parallel_for(0, seqs * heads.kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     std::vector<int64_t> slots;
+    std::vector<const float*> query;          // row r's query vector (token q_start + r / group, head r % group)
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / heads.kv, kv_head = job % heads.kv;
       const int64_t n_q = ql[b], keys = kl[b], first = keys - n_q, n_rows = n_q * group;
@@ -276,15 +277,15 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
       acc.assign(n_rows * dim, 0.f);
       slots.resize(keys);
       for (int64_t j = 0; j < keys; ++j) slots[j] = slot_at(b, j);
-      auto query = [&](int64_t r) {           // row r's query vector (token q_start + r / group)
-        return queries.data() + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
-      };
+      query.resize(n_rows);
+      for (int64_t r = 0; r < n_rows; ++r)
+        query[r] = queries.data() + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
       for (int64_t j = 0; j < keys; ++j) {
         const T* k = kc + (slots[j] * heads.kv + kv_head) * dim;
         // rows of queries at positions >= j: all of them for j <= first, fewer for the new keys
         const int64_t from = j <= first ? 0 : (j - first) * group;
         for (int64_t r = from; r < n_rows; ++r) {
-          const float* q = query(r);
+          const float* q = query[r];
           float dot = 0.f;
 _Pragma("omp simd reduction(+ : dot)")
           for (int64_t d = 0; d < dim; ++d) dot += q[d] * to_float(k[d]);
@@ -425,6 +426,29 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   return y.view(out_shape);
 }
 
+// The packed int8 weight back as a [N, K] matrix of `dtype` (W * scale), in one pass: for products of
+// many rows (prompt chunks), where torch's compute-bound product beats int8_linear.
+at::Tensor int8_dequantize(const at::Tensor& packed, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == PACK && packed.is_contiguous(),
+              "int8_dequantize: weight must be packed contiguous int8 [N / 64, K, 64]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "int8_dequantize: scale must be float32 [N]");
+  const int64_t k_dim = packed.size(1), n_dim = scale.numel();
+  auto out = at::empty({n_dim, k_dim}, packed.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "int8_dequantize", [&] {
+    const int8_t* wp = packed.data_ptr<int8_t>();
+    const float* sp = scale.data_ptr<float>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n_dim, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const int8_t* w = wp + (n / PACK) * k_dim * PACK + n % PACK;
+        const float sn = sp[n];
+        for (int64_t k = 0; k < k_dim; ++k) op[n * k_dim + k] = static_cast<scalar_t>(static_cast<float>(w[k * PACK]) * sn);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -432,6 +456,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a stacked [T, 2I] gate|up");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear, per-output-channel scales");
+  m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix");
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention");
   m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache");
 }

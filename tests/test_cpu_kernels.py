@@ -156,14 +156,15 @@ def test_without_a_compiler_auto_falls_back_and_native_refuses(monkeypatch, capl
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_model_gives_the_same_logits_on_both_paths(dtype):
+@pytest.mark.parametrize("name", ["tandem-dense", "tandem-moe"])
+def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
     """Prompt chunks, then steps of decodes and multi-token (verify-like) runs side by side."""
     from engine.models.loader import load_model
     from engine.models.testing import PagedRunner
 
     logits = {}
     for choice in ("torch", "native"):
-        model, _ = load_model(DENSE, dtype, "cpu", cpu_kernels=choice)
+        model, _ = load_model(DENSE.parent / name, dtype, "cpu", cpu_kernels=choice)
         assert (model.layers[0].self_attn.kernels is None) == (choice == "torch")
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)

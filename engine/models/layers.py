@@ -44,10 +44,11 @@ def check_dense_attention(config) -> None:
 def use_cpu_kernels(model: nn.Module, kernels) -> None:
     """Run the model's norms, SwiGLU and attention through the native CPU kernels
     (devices/cpu_native.py); None: the pure-torch path. Both compute the same function."""
+    from engine.models.moe import StackedExperts
     from engine.models.quant import Int8Linear
 
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear)):
+        if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts)):
             module.kernels = kernels
 
 
@@ -213,9 +214,16 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-# The native attention walks keys one query at a time; past this many queries a sequence (prompt
-# chunks) the pure-torch path's batched products are faster (bench/cpu_kernels.py measures both).
-NATIVE_ATTENTION_MAX_Q = 16
+# The native attention takes each key's dot products one query at a time: it wins where a forward's
+# cost is its many small operations (decodes and draft steps, one or two queries a sequence; any
+# forward of a few tokens) and loses to the pure-torch path's batched products on many queries
+# (verify runs of many sequences, prompt chunks): bench/cpu_kernels.py measures both.
+NATIVE_ATTENTION_MAX_Q = 2
+NATIVE_ATTENTION_MAX_TOKENS = 16
+
+
+def native_attention_fits(batch: AttentionBatch, tokens: int) -> bool:
+    return batch.layout.max_q <= NATIVE_ATTENTION_MAX_Q or tokens <= NATIVE_ATTENTION_MAX_TOKENS
 
 
 class Attention(nn.Module):
@@ -257,7 +265,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        if (self.kernels is not None and self.qkv_proj is not None and batch.layout.max_q <= NATIVE_ATTENTION_MAX_Q
+        if (self.kernels is not None and self.qkv_proj is not None and native_attention_fits(batch, tokens)
                 and batch.kv.k[self.layer_id].dtype == x.dtype):
             return self.o_proj(self.native(self.qkv_proj(x), rope, batch))
         q, k, v = self.project(x)

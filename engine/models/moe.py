@@ -66,11 +66,19 @@ class StackedExperts(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                gate, up = F.linear(inputs[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-                outputs[rows] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+                outputs[rows] = F.linear(self.swiglu(F.linear(inputs[rows], self.gate_up_proj[expert])),
+                                         self.down_proj[expert])
             start += count
         weighted = outputs * weights.reshape(-1)[order, None].to(outputs.dtype)
         return torch.zeros_like(x).index_add_(0, pair_tokens, weighted)
+
+    kernels = None          # the native CPU kernels, when the model runs them (use_cpu_kernels)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def forward_masked(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """On accelerators: no host sync (and fixed shapes, for graphs): every held expert reads every

@@ -1,0 +1,91 @@
+"""One model forward on the CPU, in-process, on each path: pure torch, the native kernels, and the
+native kernels with int8 weights; for decodes, verify-like runs and prompts.
+
+    python bench/cpu_kernels.py --threads 2 [--model models/tandem-dense] [--rounds 2]
+
+Each case: `rows` sequences, each adding `q` tokens to a context of --context tokens (the context
+grows by q a step, --steps steps; medians of the steps after the first five), or one prompt of
+`prompt` tokens. Paths run alternately, --rounds times, so a noisy neighbour hits all of them.
+The native attention is forced on every case here (also where the server runs the pure-torch
+attention: engine/models/layers.py, native_attention_fits) so the crossover shows.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import engine.models.layers as layers  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.models.testing import PagedRunner  # noqa: E402
+
+PATHS = {"torch": {"cpu_kernels": "torch"}, "native": {"cpu_kernels": "native"},
+         "native-int8": {"cpu_kernels": "native", "quantization": "int8"}}
+DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q)
+PROMPTS = [64, 512]
+
+
+@torch.inference_mode()
+def decode_ms(model, rows: int, q: int, context: int, steps: int) -> float:
+    runner = PagedRunner(model.kv_layout(), torch.float32, max_requests=rows, max_context=context + steps * q + 8)
+    ids, batch = runner.step([(r, list(range(1, context + 1))) for r in range(rows)])
+    model(ids, batch)
+    times = []
+    for _ in range(steps):
+        ids, batch = runner.step([(r, [5] * q) for r in range(rows)])
+        start = time.perf_counter()
+        model.compute_logits(model(ids, batch).hidden)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[5:]) * 1e3
+
+
+@torch.inference_mode()
+def prompt_ms(model, tokens: int, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        runner = PagedRunner(model.kv_layout(), torch.float32, max_requests=1, max_context=tokens + 8)
+        ids, batch = runner.step([(0, list(range(1, tokens + 1)))])
+        start = time.perf_counter()
+        model.compute_logits(model(ids, batch).hidden[-1:])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=str(REPO / "models" / "tandem-dense"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    layers.NATIVE_ATTENTION_MAX_Q = 1 << 30
+    layers.NATIVE_ATTENTION_MAX_TOKENS = 1 << 30
+    models = {name: load_model(args.model, torch.float32, "cpu", **kw)[0] for name, kw in PATHS.items()}
+    cases = [(f"{rows} x {q} tokens", lambda m, rows=rows, q=q: decode_ms(m, rows, q, args.context, args.steps))
+             for rows, q in DECODE_CASES]
+    cases += [(f"prompt of {n}", lambda m, n=n: prompt_ms(m, n)) for n in PROMPTS]
+    print(f"{args.threads} threads, context {args.context}; ms a forward (with the LM head), medians over "
+          f"{args.rounds} alternating rounds")
+    print(f"{'case':>18}" + "".join(f"{name:>14}" for name in PATHS) + "   native / torch   int8 / torch")
+    for label, run in cases:
+        samples: dict[str, list[float]] = {name: [] for name in PATHS}
+        for round_ in range(args.rounds):
+            order = list(PATHS) if round_ % 2 == 0 else list(reversed(PATHS))
+            for name in order:
+                samples[name].append(run(models[name]))
+        ms = {name: statistics.median(values) for name, values in samples.items()}
+        print(f"{label:>18}" + "".join(f"{ms[name]:14.2f}" for name in PATHS)
+              + f"   {ms['native'] / ms['torch']:14.2f}   {ms['native-int8'] / ms['torch']:12.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
