@@ -118,6 +118,15 @@ class ServerArgs:
                                             "takes the other nodes' ranks on PORT + 1.")
     cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank's CPU stream, where the model runs "
                                          "(default: the cores per rank); the rank loop itself uses one.")
+    disable_cuda_graph: bool = flag(False, "Run every step eagerly: no graph capture on any device (graphs are on by "
+                                           "default on CUDA and NPU, off on the CPU).")
+    cuda_graph_max_bs: int | None = flag(None, "Largest batch captured as a graph; larger batches run eagerly "
+                                               "(default: --max-running-requests).")
+    cuda_graph_bs: tuple[int, ...] = flag((), "Batch sizes captured as graphs (default: 1 2 4 8 12 16 24 32 40 ... "
+                                              "up to --cuda-graph-max-bs); a batch is padded to the next one.")
+    enable_cpu_graph: bool = flag(False, "On the CPU, run decode, verify and draft steps through the graph runner "
+                                         "too (static buffers replayed eagerly, padded to the capture sizes, whole "
+                                         "chains): the CI path of CUDA/NPU graphs, not a speed-up.")
     stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
     max_request_bytes: int = flag(16 * 1024 * 1024, "Largest HTTP request body accepted; larger ones get 413.")
     max_rank_restarts: int = flag(3, "Rank processes that die are restarted; after this many deaths within 10 "
@@ -200,6 +209,9 @@ class ServerArgs:
         if self.max_request_bytes < 1024 or self.max_rank_restarts < 0 or not self.shutdown_timeout >= 0:
             raise ValueError("--max-request-bytes must be at least 1024, --max-rank-restarts and "
                              "--shutdown-timeout at least 0")
+        max_bs = self.cuda_graph_max_bs if self.cuda_graph_max_bs is not None else 1
+        if min((max_bs, *self.cuda_graph_bs)) < 1:
+            raise ValueError("--cuda-graph-max-bs and --cuda-graph-bs must be positive")
         self.validate_disaggregation()
         self.validate_dp_attention()
         if min(self.page_size, self.max_running_requests, self.chunked_prefill_size, self.stream_interval,
@@ -263,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
         help_text, choices = f.metadata["help"], f.metadata["choices"]
         if f.type in ("bool", bool):
             parser.add_argument(name, action="store_true", help=help_text)
+            continue
+        if str(f.type) == "tuple[int, ...]":               # SGLang's --cuda-graph-bs 1 2 4 8
+            parser.add_argument(name, nargs="+", type=int, default=None, help=help_text)
             continue
         if str(f.type).startswith("tuple"):
             parser.add_argument(name, action="append", default=None, help=help_text)

@@ -29,6 +29,7 @@ from typing import Callable
 
 from devices.base import DeferredWorkFailed, Launched
 from engine.dp import DpGroup, GroupBroken, StepPlan
+from engine.graph_shape import GraphShape
 from engine.model_runner import ModelRunner
 from engine.messages import SamplingParams
 from engine.request import Request, Status
@@ -135,13 +136,15 @@ class EngineCore:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        graph = self.runner.graph_shape(batch)
         if self.dp is not None:
-            batch = await self.agree(batch, stopping)
+            batch = await self.agree(batch, stopping, graph)
+            graph = self.plan.graph
             scheduled = time.perf_counter()
         if batch is None:
             self.meter.cpu(start, scheduled)
             return None
-        flight = self.launch_idle(batch) if batch.idle else InFlight(batch, self.launch(batch))
+        flight = self.launch_idle(batch, graph) if batch.idle else InFlight(batch, self.launch(batch, graph))
         for observe in self.launch_observers:
             observe(flight)
         end = time.perf_counter()
@@ -151,25 +154,27 @@ class EngineCore:
         self.tracer.span("launch", f"launch {batch.step}", scheduled, end)
         return flight
 
-    async def agree(self, batch: ScheduledBatch | None, stopping: bool) -> ScheduledBatch | None:
+    async def agree(self, batch: ScheduledBatch | None, stopping: bool,
+                    graph: GraphShape | None) -> ScheduledBatch | None:
         """DP attention: exchange with the group (in a thread: the loop goes on meanwhile); when
-        another rank has a batch and this one has none, an idle batch keeps the collectives in step."""
+        another rank has a batch and this one has none, an idle batch keeps the collectives in step.
+        `graph`: what this rank's batch could replay; the plan says what the group replays."""
         start = time.perf_counter()
-        self.plan = await asyncio.to_thread(self.dp.agree, batch is not None, stopping)
+        self.plan = await asyncio.to_thread(self.dp.agree, batch is not None, stopping, graph)
         self.tracer.span("schedule", "sync", start, time.perf_counter())
         if batch is None and self.plan.run:
             self.dp.idle_steps += 1
             return ScheduledBatch(step=self.scheduler.step, seqs=[], input_ids=[], idle=True)
         return batch
 
-    def launch_idle(self, batch: ScheduledBatch) -> InFlight:
+    def launch_idle(self, batch: ScheduledBatch, graph: GraphShape | None) -> InFlight:
         runner = self.runner
-        return InFlight(batch, runner.device.launch(lambda: runner.idle_step(decode=False)))
+        return InFlight(batch, runner.device.launch(lambda: runner.idle_step(decode=False, graph=graph)))
 
-    def launch(self, batch: ScheduledBatch) -> Launched:
+    def launch(self, batch: ScheduledBatch, graph: GraphShape | None) -> Launched:
         """The batch on the device stream; an error while preparing it fails it like a device error."""
         try:
-            return self.runner.launch(batch)
+            return self.runner.launch(batch, graph)
         except Exception as exc:       # delivered to whoever awaits the launch
             return Launched.failed(exc)
 

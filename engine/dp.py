@@ -14,6 +14,10 @@ applies this rank's experts to every rank's tokens, and sums the partial outputs
 all-reduce; gloo has no reduce-scatter), keeping its own rows. A token's top-k experts are summed in
 the same order as on one rank, so greedy output is that of --dp-size 1.
 
+With graphs (engine/graph_shape.py) the exchange also carries what each rank's step could replay;
+the group replays a graph only if every rank can, every rank padded to the same size, and then a
+forward's token counts are known without exchanging them (padded_forwards).
+
 Every collective has a timeout; a collective that fails means a rank of the group is gone: GroupBroken
 ends this rank too, and the front restarts the whole group.
 """
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.graph_shape import GraphShape, agreed_graph, encode_for_group
+
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 30
 
@@ -42,6 +48,7 @@ class StepPlan:
     """What the group agreed for one step."""
     run: bool            # some rank has a batch: everyone launches one (an idle one if it has none)
     stop: bool           # some rank is stopping: everyone stops after this step
+    graph: GraphShape | None = None     # the captured graph every rank's target forward replays (None: eager)
 
 
 class DpGroup:
@@ -68,15 +75,17 @@ class DpGroup:
 
     # ---- the per-step exchange (CPU group) ----------------------------------------------
 
-    def agree(self, has_batch: bool, stopping: bool) -> StepPlan:
-        """Blocking: call it from a thread (the rank awaits it without blocking its loop)."""
+    def agree(self, has_batch: bool, stopping: bool, graph: GraphShape | None = None) -> StepPlan:
+        """Blocking: call it from a thread (the rank awaits it without blocking its loop). `graph`: what
+        this rank's batch could replay (None: it runs eagerly)."""
         start = time.perf_counter()
-        mine = torch.tensor([int(has_batch), int(stopping)], dtype=torch.int64)
-        everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(self.size)]
+        mine = torch.tensor([int(has_batch), int(stopping), *encode_for_group(graph, has_batch)], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.size)]
         self.collective(dist.all_gather, everyone, mine, group=self.cpu_group)
         self.sync_seconds += time.perf_counter() - start
         table = torch.stack(everyone)
-        plan = StepPlan(run=bool(table[:, 0].any()), stop=bool(table[:, 1].any()))
+        plan = StepPlan(run=bool(table[:, 0].any()), stop=bool(table[:, 1].any()),
+                        graph=agreed_graph(table[:, 2:].tolist()))
         self.exchanges += 1
         self.steps += plan.run
         return plan
@@ -90,13 +99,28 @@ class DpGroup:
     # ---- inside a forward (on the stream) ----------------------------------------------
 
     @contextlib.contextmanager
+    def padded_forwards(self):
+        """Around the target forwards of a graph step: every rank pads to the size the group agreed, so
+        each forward's token counts are all this rank's (no exchange, no host read to capture)."""
+        if getattr(self.forward, "padded", False):
+            raise RuntimeError("padded DP forwards do not nest")
+        self.forward.padded = True
+        try:
+            yield
+        finally:
+            self.forward.padded = False
+
+    @contextlib.contextmanager
     def forward_rows(self, num_tokens: int):
         """Around one target forward: every rank's token count, for the MoE layers' padding."""
         if getattr(self.forward, "counts", None) is not None:
             raise RuntimeError("DP forwards do not nest")
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.collective(dist.all_gather, counts, torch.tensor([num_tokens], dtype=torch.int64))
-        self.forward.counts = [int(c) for c in counts]
+        if getattr(self.forward, "padded", False):
+            self.forward.counts = [num_tokens] * self.size
+        else:
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+            self.collective(dist.all_gather, counts, torch.tensor([num_tokens], dtype=torch.int64))
+            self.forward.counts = [int(c) for c in counts]
         self.padding_tokens += max(self.forward.counts) - num_tokens
         try:
             yield

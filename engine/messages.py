@@ -135,6 +135,9 @@ class RankStats(msgspec.Struct, tag=True):
     dp_sync_seconds: float = 0.0          # DP attention: time in the per-step exchange
     dp_exchanges: int = 0                 # DP attention: per-step exchanges (idle polling included)
     dp_steps: int = 0                     # DP attention: steps run, idle ones included
+    graph_replays: int = 0                # captured steps replayed (target and draft), since start
+    graph_padded_rows: int = 0            # rows those replays padded (no request owned them)
+    graph_idle_replays: int = 0           # DP attention: target graphs replayed with padding only
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -14,16 +14,19 @@ import torch
 
 from devices.base import Deferred, Device, Launched
 from devices.cpu_native import describe_cpu_path
+from devices.graphs import GraphRunner, graph_settings
 from engine.args import ServerArgs
 from engine.batch import ScheduledBatch
 from engine.faults import FaultInjector
 from engine.future_map import FutureMap
+from engine.graph_shape import GraphShape
 from engine.models.attention import KVCache, attention_groups, build_attention_batch, padded_width
 from engine.dp import DpGroup
 from engine.models.loader import load_model, resolve_dtype
 from engine.models.moe import shard_experts
 from engine.sampling import SamplingBatch, sample
 from engine.step import RequestState, SpecInputs, StepInputs, StepResult, Target, step_result
+from engine.target_graphs import TargetGraphs
 from spec.base import SpecWorker, create_spec_worker
 
 log = logging.getLogger(__name__)
@@ -50,7 +53,12 @@ class ModelRunner:
                              generator=torch.Generator(device=dev).manual_seed(args.random_seed))
         self.futures = FutureMap(future_slots, dev)
         self.faults = FaultInjector.from_env()      # a test hook; None unless TANDEM_FAULT_INJECT is set
+        settings = graph_settings(device.name, args.disable_cuda_graph, args.enable_cpu_graph, args.cuda_graph_bs,
+                                  args.cuda_graph_max_bs, args.max_running_requests, dev)
+        self.target.graphs = TargetGraphs(settings, self.target, args.num_steps, dp) if settings else None
         self.worker: SpecWorker | None = create_spec_worker(args, self.target) if self.spec_tokens else None
+        if self.graphs and self.worker:
+            self.graphs.capture_aux = self.worker.needs_aux
         self.allocate_kv()
         log.info("loaded %s (%s, %s%s) on %s; KV cache: %d tokens, context %d; speculation: %s",
                  Path(args.model_path).name, self.hf_config.architectures[0], self.dtype,
@@ -58,6 +66,18 @@ class ModelRunner:
                  self.num_slots, self.context_length, self.worker.describe() if self.worker else "off")
         if dev.type == "cpu":
             log.info("CPU path: %s", describe_cpu_path(self.model))
+        log.info("graphs: %s", settings.describe() if settings else self.graphs_off_reason())
+
+    @property
+    def graphs(self) -> TargetGraphs | None:
+        return self.target.graphs
+
+    def graphs_off_reason(self) -> str:
+        if self.args.disable_cuda_graph:
+            return "off (--disable-cuda-graph)"
+        if self.device.name == "cpu" and not self.args.enable_cpu_graph:
+            return "off (the CPU runs steps eagerly; --enable-cpu-graph runs its graph path)"
+        return "off (no capture size up to --cuda-graph-max-bs / --max-running-requests)"
 
     @property
     def num_rows(self) -> int:
@@ -76,15 +96,22 @@ class ModelRunner:
         return self.target.req_to_slot
 
     def allocate_kv(self) -> None:
-        """Size the KV cache (the target's and a draft's share slots), then allocate it and the slot table."""
+        """Size the KV cache (the target's and a draft's share slots), then allocate it and the slot table.
+
+        Past the num_slots the KV pool hands out, the caches hold one more page, the padding page, and
+        the slot table one more row, the padding row (Target.pad_row), whose every position maps into
+        that page: padded rows of a captured step write there and nowhere else (no request owns it)."""
         layers, kv_heads, head_dim = self.model.kv_layout()
         per_slot = KVCache.bytes_per_slot(layers, kv_heads, head_dim, self.dtype)
         self.num_slots = self.kv_capacity(per_slot + (self.worker.kv_bytes_per_slot() if self.worker else 0))
-        dev, target = self.device.torch_device, self.target
-        target.kv = KVCache.allocate(layers, self.num_slots, kv_heads, head_dim, self.dtype, dev, self.args.page_size)
-        target.req_to_slot = torch.zeros(target.num_rows, target.table_width, dtype=torch.long, device=dev)
+        dev, target, page = self.device.torch_device, self.target, self.args.page_size
+        pad_page = self.num_slots // page                      # KVPool's pages are 0 .. num_slots // page - 1
+        cache_slots = (pad_page + 1) * page
+        target.kv = KVCache.allocate(layers, cache_slots, kv_heads, head_dim, self.dtype, dev, page)
+        target.req_to_slot = torch.zeros(target.num_rows + 1, target.table_width, dtype=torch.long, device=dev)
+        target.req_to_slot[target.pad_row] = pad_page * page + torch.arange(target.table_width, device=dev) % page
         if self.worker:
-            self.worker.allocate_kv(self.num_slots)
+            self.worker.allocate_kv(cache_slots)
 
     def kv_capacity(self, bytes_per_slot: int) -> int:
         args = self.args
@@ -124,8 +151,24 @@ class ModelRunner:
         return SpecInputs(decode=plan.decode, chain=plan.chain, draft_lag=long_tensor(plan.draft_lag),
                           draft_next=long_tensor(plan.draft_next), draft_skip=plan.draft_skip)
 
-    def launch(self, batch: ScheduledBatch) -> Launched:
+    def graph_shape(self, batch: ScheduledBatch | None) -> GraphShape | None:
+        """The captured graph the batch's target forward could replay (None: it runs eagerly): a
+        speculative step's verify, or (without speculation) a batch of plain decodes only."""
+        graphs = self.graphs
+        if graphs is None or batch is None or batch.idle or graphs.settings.size_for(len(batch.seqs)) is None:
+            return None
+        width = self.target.key_width(batch.max_kv)
+        if batch.is_spec_decode:
+            return GraphShape("verify", len(batch.seqs), batch.chain, width)
+        if self.worker is None and all(seq.decode and seq.q_len == 1 and seq.samples for seq in batch.seqs):
+            return GraphShape("decode", len(batch.seqs), 0, width)
+        return None
+
+    def launch(self, batch: ScheduledBatch, graph: GraphShape | None = None) -> Launched:
+        """The batch on the stream; `graph`: the captured graph its target forward replays (graph_shape,
+        or what a DP-attention group agreed), None: eagerly."""
         inputs = self.prepare(batch)
+        inputs.graph = graph
         step = self.speculative_step if inputs.spec_decode else self.forward_and_sample
         work = functools.partial(step, inputs)
         if self.faults:
@@ -144,9 +187,12 @@ class ModelRunner:
             self.req_to_slot[inp.table_rows.to(dev), inp.table_pos.to(dev)] = inp.table_slots.to(dev)
 
     def forward_and_sample(self, inp: StepInputs) -> StepResult | Deferred:
-        dev, put = self.device.torch_device, self.put
+        put = self.put
         self.update_table(inp)
         input_ids = self.futures.resolve(put(inp.input_ids))
+        if inp.graph is not None:
+            logits = self.graphs.decode_logits(inp.graph, input_ids, put(inp.kv_lens) - 1, put(inp.rows))
+            return self.sample_rows(inp, logits)[0]
         groups = inp.groups and [(put(seqs), max_q, max_k) for seqs, max_q, max_k in inp.groups]
         attn = build_attention_batch(put(inp.q_lens), put(inp.kv_lens), put(inp.rows), self.req_to_slot,
                                      inp.max_q, inp.max_kv, self.kv, groups=groups)
@@ -156,13 +202,17 @@ class ModelRunner:
                 self.worker.after_prefill(inp, input_ids, attn, out, input_ids[:0])
             return StepResult()
         logits = self.model.compute_logits(out.hidden[put(inp.sample_rows)])
-        sb = to_device(inp.sampling, dev)
-        tokens = sample(logits, sb, self.target.generator)
-        self.futures.store(put(inp.future_ids), tokens)
-        result = step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb)
+        result, tokens = self.sample_rows(inp, logits)
         if self.worker:       # the first tokens go out while the draft reads the prompt
             return Deferred(result, lambda: self.worker.after_prefill(inp, input_ids, attn, out, tokens))
         return result
+
+    def sample_rows(self, inp: StepInputs, logits: torch.Tensor) -> tuple[StepResult, torch.Tensor]:
+        """A token from each sampling sequence's logits, stored in its future: the result and the tokens."""
+        sb = to_device(inp.sampling, self.device.torch_device)
+        tokens = sample(logits, sb, self.target.generator)
+        self.futures.store(self.put(inp.future_ids), tokens)
+        return step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb), tokens
 
     def speculative_step(self, inp: StepInputs) -> StepResult:
         self.update_table(inp)
@@ -172,10 +222,14 @@ class ModelRunner:
         self.futures.store(put(inp.future_ids), self.worker.bonus[put(inp.rows)])
         return result
 
-    def idle_step(self, decode: bool) -> StepResult:
+    def idle_step(self, decode: bool, graph: GraphShape | None = None) -> StepResult:
         """On the stream: a step with no rows that makes the same sequence of model calls as a real
         one (a prefill batch, or a decode step with the whole chain), so that a rank with no work can
-        join the collectives of the others."""
+        join the collectives of the others; with `graph` (what the group agreed), a replay of that
+        graph with padding only."""
+        if graph is not None:
+            self.graphs.idle(graph)
+            return StepResult()
         inp = self.idle_inputs(decode)
         if decode and self.worker:
             return self.speculative_step(inp)
@@ -229,6 +283,25 @@ class ModelRunner:
 
     def slot_index(self, slots: list[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.long, device=self.device.torch_device)
+
+    # ---- graphs ---------------------------------------------------------------------------
+
+    def graph_runners(self) -> list[GraphRunner]:
+        """Every graph runner made so far: the target's and the draft worker's."""
+        runners = self.graphs.runners() if self.graphs else []
+        return runners + (self.worker.graphs.runners() if self.worker and self.worker.graphs else [])
+
+    def graph_stats(self) -> dict[str, int]:
+        """Replays, padded rows and (DP attention) idle replays since start, for RankStats."""
+        runners = self.graph_runners()
+        return {"graph_replays": sum(sum(r.replays.values()) for r in runners),
+                "graph_padded_rows": sum(r.padded_rows for r in runners),
+                "graph_idle_replays": self.graphs.idle_replays if self.graphs else 0}
+
+    def release_graphs(self) -> None:
+        """Release every captured graph (on the stream: nothing in flight may replay them)."""
+        for runner in self.graph_runners():
+            runner.release_all()
 
     def phase_times(self, result: StepResult) -> list[tuple[str, float]]:
         """(phase, device seconds) of a finished speculative step, from the marks it recorded."""

@@ -240,7 +240,8 @@ class Rank:
                          spec_accept_len=self.accept_length(), spec_accept_hist=list(self.accept_hist),
                          spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist),
                          spec_off_steps=self.scheduler.policy.off_steps, failed_steps=self.core.failed_steps,
-                         resident_memory_bytes=resident_memory_bytes(), **self.dp_stats())
+                         resident_memory_bytes=resident_memory_bytes(), **self.dp_stats(),
+                         **self.runner.graph_stats())
 
     def dp_stats(self) -> dict:
         if self.dp is None:

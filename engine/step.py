@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.batch import StepOutput
+from engine.graph_shape import GraphShape, key_width
 from engine.sampling import SamplingBatch, token_logprobs
 
 if TYPE_CHECKING:
     from devices.base import Device
     from engine.models.attention import KVCache, Group
     from engine.models.base import CausalLM
+    from engine.target_graphs import TargetGraphs
 
 
 @dataclass
@@ -47,6 +49,7 @@ class StepInputs:
     sampling: SamplingBatch
     spec: SpecInputs | None = None
     groups: list[Group] | None = None     # attention parts (host indices): decodes apart from prompt chunks
+    graph: GraphShape | None = None       # the captured graph its target forward replays (None: eager)
 
     @property
     def spec_decode(self) -> bool:
@@ -114,7 +117,11 @@ class RequestState:
 @dataclass
 class Target:
     """What a speculative worker may use of the target side. `kv` and `req_to_slot` are set once
-    the cache is sized (a draft's own KV counts in that size)."""
+    the cache is sized (a draft's own KV counts in that size).
+
+    The slot table has one row more than there are request rows: row `pad_row` is the padding row of
+    captured steps, every position of which maps to the padding page (past the pages the KV pool
+    hands out; engine/model_runner.py allocate_kv). No request owns either."""
     model: CausalLM
     device: Device
     dtype: torch.dtype
@@ -125,7 +132,16 @@ class Target:
     generator: torch.Generator
     kv: KVCache | None = None
     req_to_slot: torch.Tensor | None = None
+    graphs: TargetGraphs | None = None        # the target's captured steps (None: graphs off)
 
     @property
     def torch_device(self) -> torch.device:
         return self.device.torch_device
+
+    @property
+    def pad_row(self) -> int:
+        return self.num_rows
+
+    def key_width(self, max_kv: int) -> int:
+        """The key positions a captured step reads for sequences of at most max_kv positions."""
+        return key_width(max_kv, self.page_size, self.table_width)

@@ -68,6 +68,10 @@ class RankStatsCollector(Collector):
                                   "(summed over ranks).", value=total("dp_exchanges"))
         yield CounterMetricFamily("tandem_dp_steps", "DP attention: steps run, idle ones included (summed over ranks).",
                                   value=total("dp_steps"))
+        yield CounterMetricFamily("tandem_graph_replays", "Captured steps (target and draft) replayed.",
+                                  value=total("graph_replays"))
+        yield CounterMetricFamily("tandem_graph_padded_rows", "Rows of graph replays that no request owned (batches "
+                                  "padded to a captured size).", value=total("graph_padded_rows"))
         yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without speculation because as many "
                                   "requests decoded as --speculative-disable-by-batch-size.",
                                   value=total("spec_off_steps"))

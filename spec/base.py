@@ -10,6 +10,10 @@ runs steps in order, so the CPU never waits for it):
 
 Every worker's decode step has one shape (decode_step): draft a chain, verify it with the
 target, let the draft read what was verified (extend), advance the state.
+
+With graphs (devices/graphs.py) the verify replays the target's captured verify when the step's
+inputs name one (inp.graph), and the draft's forwards replay the worker's own captured steps
+(spec/draft_graphs.py); chains then keep their full length (no per-row trimming: fixed shapes).
 """
 from __future__ import annotations
 
@@ -41,17 +45,22 @@ ALGORITHMS = {
 
 @dataclasses.dataclass
 class Verified:
-    """A verify forward: its AttentionBatch and output over the verified tokens (row b's q_lens[b]
-    tokens, flattened), the logits [B, k+1, V] and emitted tokens [B, k+1] on the grid, the
-    accepted drafts n [B] and the tokens the forward read."""
+    """A verify forward: its AttentionBatch (None: a captured verify) and output over the verified
+    tokens (row b's q_lens[b] tokens, flattened), the logits [B, k+1, V] and emitted tokens [B, k+1]
+    on the grid, the accepted drafts n [B] and the tokens the forward read."""
 
-    attn: "AttentionBatch"
+    attn: "AttentionBatch | None"
     out: "ModelOutput"
     logits: torch.Tensor
     emitted: torch.Tensor
     n: torch.Tensor
     q_lens: torch.Tensor
     tokens: int
+
+    @property
+    def whole_chains(self) -> bool:
+        """Every row verified the whole chain (the grid and the flattened order are the same)."""
+        return self.tokens == self.emitted.numel()
 
     def flat_emitted(self) -> torch.Tensor:
         """The emitted tokens in the forward's flattened order (row b: its first q_lens[b])."""
@@ -67,14 +76,16 @@ class SpecWorker(ABC):
     needs_aux = False          # the target must return EAGLE-3 aux hidden states
     catches_up = False         # the draft can skip prefill batches and read what it missed later
     draft_kv: KVCache | None = None
+    graphs = None              # its captured draft steps (spec/draft_graphs.py), where graphs are on
 
     def __init__(self, args: "ServerArgs", target: Target):
         self.args, self.target = args, target
         rows, dev = target.num_rows, target.torch_device
         self.kv_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.bonus = torch.zeros(rows, dtype=torch.long, device=dev)
-        # chains are trimmed per row (ConfidenceTrim, verify's widths) only where that costs no sync
-        self.trims = target.device.free_host_reads
+        # chains are trimmed per row (ConfidenceTrim, verify's widths) only where that costs no sync, and
+        # not with graphs (whole chains: the shapes they captured)
+        self.trims = target.device.free_host_reads and target.graphs is None
 
     def describe(self) -> str:
         """For the start-up log line."""
@@ -145,8 +156,11 @@ class SpecWorker(ABC):
 
         chain.widths [B] (only where the device reads its tensors for free): row b verifies only its
         first widths[b] drafts, so the forward reads sum(widths + 1) tokens instead of B * (k+1);
-        sampling rows keep k. Results keep the [B, k+1] grid; nothing past a row's width is accepted."""
+        sampling rows keep k. Results keep the [B, k+1] grid; nothing past a row's width is accepted.
+        With inp.graph, the forward is the target's captured verify (attn is then None)."""
         k, target = chain.drafts.shape[1], self.target
+        if inp.graph is not None:
+            return self.verify_captured(inp, rows, L, chain)
         tokens, q_lens, grid, greedy_drafts = verify_layout(self.bonus[rows], chain)
         attn = build_attention_batch(q_lens, L + q_lens, rows, target.req_to_slot, k + 1, inp.max_kv, target.kv)
         out = target.model(tokens, attn, capture_aux=self.needs_aux)
@@ -159,6 +173,20 @@ class SpecWorker(ABC):
             emitted, n = self.accept_sampled(inp.sampling, chain, logits, emitted, n)
         return Verified(attn=attn, out=out, logits=logits, emitted=emitted, n=n, q_lens=q_lens,
                         tokens=tokens.shape[0])
+
+    def verify_captured(self, inp: StepInputs, rows: torch.Tensor, L: torch.Tensor, chain: Chain) -> Verified:
+        """verify through the target's captured verify: every row reads its whole chain."""
+        k = chain.drafts.shape[1]
+        if chain.widths is not None or k != inp.graph.chain:
+            raise RuntimeError(f"a captured verify of chain {inp.graph.chain} got {k} drafts (trimmed: "
+                               f"{chain.widths is not None})")
+        tokens = torch.cat([self.bonus[rows][:, None], chain.drafts], dim=1)                 # [B, k+1]
+        logits, out = self.target.graphs.verify_forward(inp.graph, tokens, L, rows)
+        emitted, n = verify_greedy(chain.drafts, logits)
+        if not inp.sampling.all_greedy:
+            emitted, n = self.accept_sampled(inp.sampling, chain, logits, emitted, n)
+        return Verified(attn=None, out=out, logits=logits, emitted=emitted, n=n,
+                        q_lens=torch.full_like(rows, k + 1), tokens=tokens.numel())
 
     def accept_sampled(self, sb: SamplingBatch, chain: Chain, logits: torch.Tensor, emitted: torch.Tensor,
                        n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

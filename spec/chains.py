@@ -43,6 +43,14 @@ def stack_chain(drafts: list[torch.Tensor], qs: list, rows: torch.Tensor, widths
     return Chain(drafts_t, lambda: torch.stack(qs, dim=1), widths)
 
 
+def greedy_chain(drafts: torch.Tensor) -> Chain:
+    """A whole chain of greedy drafts [B, k] (from a captured draft step: an all-greedy batch, whose
+    verify never asks for q)."""
+    def no_probs() -> torch.Tensor:
+        raise RuntimeError("a greedy chain has no draft distributions")
+    return Chain(drafts, no_probs)
+
+
 class ConfidenceTrim:
     """Where the device reads its tensors for free: which drafts of a chain each row verifies.
     A greedy row keeps its drafts up to the first with probability < DRAFT_CONFIDENCE; a sampling

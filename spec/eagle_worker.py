@@ -19,6 +19,8 @@ L = kv_len[row]; b = bonus[row]):
 Draft position t reads token t+1 and the target's feature at t, so after a prefill of
 P tokens the extend reads prompt[1:] + [sampled token].
 
+With graphs, an all-greedy chain (k >= 2) and the extend replay captured steps (spec/draft_graphs.py).
+
 Per-row head state, besides kv_len and bonus: draft_hidden (g) and draft_first (d_1) with its
 confidence and, for sampling rows, its distribution q. With the head's KV of the positions before
 kv_len, that is what a request takes along to continue elsewhere (export_row / import_row).
@@ -32,7 +34,8 @@ from engine.models.attention import chain_step_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker, Verified
-from spec.chains import Chain, stack_chain, top_choice
+from spec.chains import Chain, greedy_chain, stack_chain, top_choice
+from spec.draft_graphs import EagleGraphs
 
 ROW_STATE = ("draft_first", "draft_hidden", "first_confidence", "first_probs")
 
@@ -52,6 +55,7 @@ class EagleWorker(SpecWorker):
         self.first_confidence = torch.zeros(rows, dtype=torch.float32, device=dev)
         self.draft_ids = self.head.draft_to_target(torch.arange(self.head.compute_logits(
             torch.zeros(1, self.head.hidden_size, dtype=target.dtype, device=dev)).shape[-1], device=dev))
+        self.graphs = EagleGraphs(self) if target.graphs else None
 
     def describe(self) -> str:
         hot = self.head.hot_ids
@@ -88,8 +92,16 @@ class EagleWorker(SpecWorker):
         if q is not None:
             self.first_probs[rows] = q
 
+    def propose_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Head output rows -> greedy draft tokens (target ids): propose's choice for greedy rows."""
+        return self.head.draft_to_target(top_choice(self.head.compute_logits(hidden), False)[0])
+
     def draft(self, inp, rows: torch.Tensor, L: torch.Tensor) -> Chain:
         k, sb = inp.spec.chain, inp.sampling
+        if self.graphs and k > 1 and sb.all_greedy and self.graphs.draft.can_run(rows.shape[0]):
+            return greedy_chain(self.graphs.draft.run(
+                rows.shape[0], (k, self.target.key_width(inp.max_kv)), first=self.draft_first[rows],
+                hidden=self.draft_hidden[rows], first_pos=L, rows=rows)["drafts"])
         trim = self.chain_trim(inp, k, rows.device)
         if trim and not trim.keep(self.first_confidence[rows]):
             k = 0                                               # no row believes its first draft
@@ -110,8 +122,15 @@ class EagleWorker(SpecWorker):
         """The head reads every verified token (a plain step, w == 0, still extends by one) and row
         b's output at its last accepted position seeds the next step."""
         features = v.out.aux_hidden if self.needs_aux else v.out.hidden
-        g_all = self.head(v.flat_emitted(), features, v.attn.with_kv(self.draft_kv))
-        self.seed_rows(rows, g_all[v.flat_index(v.n)], inp.sampling, salt=30)
+        batch, per_row = v.emitted.shape
+        if self.graphs and v.whole_chains and self.graphs.extend.can_run(batch):
+            g = self.graphs.extend.run(batch, (per_row - 1, self.target.key_width(inp.max_kv)), tokens=v.emitted,
+                                       features=features.view(batch, per_row, -1), accepted=v.n, first_pos=L,
+                                       rows=rows)["hidden"]
+        else:
+            g_all = self.head(v.flat_emitted(), features, v.attn.with_kv(self.draft_kv))
+            g = g_all[v.flat_index(v.n)]
+        self.seed_rows(rows, g, inp.sampling, salt=30)
         self.mark("extend", marks)
 
     # ---- prefill -------------------------------------------------------------------

@@ -24,6 +24,9 @@ just rewritten). A plain step (k == 0, under load) runs no draft and emits exact
 token, so the CPU knows how far each draft lags (SeqWork.draft_lag). A prefill runs the
 draft over the same chunk, leaving positions < L right, except under load (inp.draft_skip),
 when the draft reads nothing and the scheduler counts the prompt's tail into draft_lag.
+
+With graphs, an all-greedy chain whose draft lags nowhere (lag == 0: forward 1 reads L-1 and L)
+replays a captured step (spec/draft_graphs.py).
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ from engine.models.attention import build_attention_batch, chain_step_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker, Verified
-from spec.chains import Chain, TokenHistory, stack_chain, top_choice
+from spec.chains import Chain, TokenHistory, greedy_chain, stack_chain, top_choice
+from spec.draft_graphs import StandaloneGraphs
 
 
 class StandaloneWorker(SpecWorker):
@@ -50,6 +54,7 @@ class StandaloneWorker(SpecWorker):
                              f"{args.model_path} has {target.vocab_size}: a standalone draft must "
                              f"share the target's tokenizer")
         self.history = TokenHistory(target)
+        self.graphs = StandaloneGraphs(self) if target.graphs else None
 
     def draft_kv_layout(self) -> tuple[int, int, int]:
         return self.draft_model.kv_layout()
@@ -86,8 +91,17 @@ class StandaloneWorker(SpecWorker):
         out = self.draft_model(self.history.tokens[token_rows, attn.positions], attn)
         return out.hidden[torch.cumsum(q_lens, 0) - 1]
 
+    def propose_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft output rows -> greedy draft tokens: propose's choice for greedy rows."""
+        return top_choice(self.draft_model.compute_logits(hidden), False)[0]
+
     def draft(self, inp, rows: torch.Tensor, L: torch.Tensor) -> Chain:
         k, sb = inp.spec.chain, inp.sampling
+        if self.graphs and k and sb.all_greedy and not bool(inp.spec.draft_lag.any()) \
+                and self.graphs.draft.can_run(rows.shape[0]):                       # draft_lag: a host tensor
+            recent = self.history.tokens[rows[:, None], L[:, None] + torch.arange(-1, 1, device=rows.device)]
+            return greedy_chain(self.graphs.draft.run(rows.shape[0], (k, self.target.key_width(inp.max_kv)),
+                                                      recent=recent, first_pos=L, rows=rows)["drafts"])
         drafts, qs = [], []
         trim = self.chain_trim(inp, k, rows.device)
         if k:

@@ -62,7 +62,10 @@ class FakeRunner:
     def __init__(self):
         self.device = FakeDevice()
 
-    def launch(self, batch):
+    def graph_shape(self, batch):
+        return None                      # no graphs: every step runs "eagerly"
+
+    def launch(self, batch, graph=None):
         future = asyncio.get_running_loop().create_future()
         out = self.device.run(batch)
         future.set_result(SimpleNamespace(output=lambda: out))
