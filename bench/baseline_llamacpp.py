@@ -55,9 +55,11 @@ convert.main()
 """
 
 
-def llama_paths(root: Path) -> tuple[Path, Path]:
-    """(llama-server binary, convert_hf_to_gguf.py) in a llama.cpp checkout; a clear error when missing."""
-    binary = next((p for p in (root / "build" / "bin" / "llama-server", root / "llama-server") if p.is_file()), None)
+def llama_paths(root: Path, server: str | None = None) -> tuple[Path, Path]:
+    """(llama-server binary, convert_hf_to_gguf.py) in a llama.cpp checkout (the binary: `server` when
+    given); a clear error when missing."""
+    found = [Path(server)] if server else [root / "build" / "bin" / "llama-server", root / "llama-server"]
+    binary = next((p for p in found if p.is_file()), None)
     script = root / "convert_hf_to_gguf.py"
     if binary is None or not script.is_file():
         raise SystemExit(f"error: {root} needs build/bin/llama-server and convert_hf_to_gguf.py (see --help)")
@@ -116,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--llama-cpp", required=True, help="A llama.cpp checkout with build/bin/llama-server.")
+    parser.add_argument("--llama-server", help="The llama-server binary, when not LLAMA_CPP/build/bin/llama-server "
+                                               "(another build of the same checkout).")
     parser.add_argument("--outtype", choices=OUTTYPES, default="f32", help="GGUF weight type (match --dtype).")
     parser.add_argument("--gguf-dir", default=str(Path(tempfile.gettempdir()) / "tandem-gguf"),
                         help="Where converted models are kept.")
@@ -147,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    binary, _ = llama_paths(Path(args.llama_cpp))
+    binary, _ = llama_paths(Path(args.llama_cpp), args.llama_server)
     gguf = gguf_for(args)
     print(f"llama-server {binary} on {gguf} ({args.outtype}, {gguf.stat().st_size / 2**20:.1f} MB)", flush=True)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-llamacpp-"))

@@ -449,6 +449,38 @@ at::Tensor int8_dequantize(const at::Tensor& packed, const at::Tensor& scale, at
   return out;
 }
 
+// A linear layer as the model holds it: a float weight [N, K] (torch's product), or a packed int8
+// weight with its scales (int8_linear for a few rows, else the dequantized weight through torch).
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& scale, int64_t int8_max_rows) {
+  if (!scale) return at::linear(x, weight, bias);
+  if (x.numel() / x.size(-1) <= int8_max_rows) return int8_linear(x, weight, *scale, bias);
+  return at::linear(x, int8_dequantize(weight, *scale, x.scalar_type()), bias);
+}
+
+// One pre-norm decoder layer of the dense models (engine/models/llama.py: DecoderLayer with a GatedMLP)
+// in one call: h = x + o(attention(qkv(norm(x)))); out = h + down(silu(gate) * up)(norm(h)). The same
+// functions the layer's modules call one by one from Python, without a Python call between them.
+at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& rope, at::Tensor k_cache, at::Tensor v_cache,
+                       const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
+                       const at::Tensor& rows, const at::Tensor& table,
+                       const c10::optional<at::Tensor>& input_norm, const at::Tensor& post_norm, double eps,
+                       const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b, const c10::optional<at::Tensor>& qkv_s,
+                       const at::Tensor& o_w, const c10::optional<at::Tensor>& o_b, const c10::optional<at::Tensor>& o_s,
+                       const at::Tensor& gu_w, const c10::optional<at::Tensor>& gu_b, const c10::optional<at::Tensor>& gu_s,
+                       const at::Tensor& down_w, const c10::optional<at::Tensor>& down_b,
+                       const c10::optional<at::Tensor>& down_s, const c10::optional<at::Tensor>& q_norm,
+                       const c10::optional<at::Tensor>& k_norm, double qk_eps, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, double scale, int64_t int8_max_rows) {
+  const at::Tensor normed = input_norm ? rms_norm(x, *input_norm, eps) : x;
+  const at::Tensor qkv = layer_linear(normed, qkv_w, qkv_b, qkv_s, int8_max_rows);
+  const at::Tensor attended = attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, q_start, q_len,
+                                        kv_len, rows, table, rope, q_norm, k_norm, qk_eps, scale);
+  const auto [h, post] = add_rms_norm(x, layer_linear(attended, o_w, o_b, o_s, int8_max_rows), post_norm, eps);
+  const at::Tensor act = silu_mul(layer_linear(post, gu_w, gu_b, gu_s, int8_max_rows));
+  return h + layer_linear(act, down_w, down_b, down_s, int8_max_rows);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -457,6 +489,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a stacked [T, 2I] gate|up");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear, per-output-channel scales");
   m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix");
+  m.def("dense_layer", &dense_layer, "a dense decoder layer: norms, products, attention, SwiGLU");
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention");
   m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache");
 }

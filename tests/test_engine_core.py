@@ -179,10 +179,26 @@ IDLE_CASES = {
 }
 
 
+def test_moe_layers_never_run_as_one_native_call():
+    """The fused dense layer (engine/models/llama.py: native_weights) skips the layer's module calls;
+    a MoE layer must keep them (DP-attention ranks join collectives inside its MLP)."""
+    from engine.models.loader import load_model
+
+    moe, _ = load_model(MOE, torch.float32, "cpu", "auto")
+    dense, _ = load_model(DENSE, torch.float32, "cpu", "auto")
+    assert all(layer.native_weights is None for layer in moe.layers)
+    if dense.layers[0].self_attn.kernels is not None:
+        assert all(layer.native_weights is not None for layer in dense.layers)
+
+
 @pytest.mark.parametrize("case", list(IDLE_CASES))
 async def test_an_idle_step_makes_the_same_model_calls_with_no_rows(case, prompts):
+    # Module by module (--cpu-kernels torch): with the native kernels a dense layer with tokens runs as
+    # one call in place of its modules. MoE layers, whose calls the group's collectives follow, never
+    # fuse; that is asserted below on the default path.
     flags = IDLE_CASES[case] + ["--max-total-tokens", "4096", "--max-running-requests", "4",
-                                "--disable-overlap-schedule", "--speculative-disable-by-batch-size", "0"]
+                                "--disable-overlap-schedule", "--speculative-disable-by-batch-size", "0",
+                                "--cpu-kernels", "torch"]
     engine = Engine(flags)
     runner = engine.core.runner
     if runner.worker:

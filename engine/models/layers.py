@@ -169,6 +169,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # ---------------------------------------------------------------------------- blocks
 
+def linear_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias, scale) as the native kernels read a linear layer: an nn.Linear's weight (scale
+    None), or an Int8Linear's packed int8 weight and its scales."""
+    from engine.models.quant import Int8Linear
+
+    if isinstance(module, Int8Linear):
+        return module.packed, module.bias, module.scale
+    return module.weight, module.bias, None
+
+
 def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One nn.Linear whose output is the parts' outputs side by side: one matrix product (one read of
     the input, one kernel) instead of several."""
@@ -265,8 +275,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        if (self.kernels is not None and self.qkv_proj is not None and native_attention_fits(batch, tokens)
-                and batch.kv.k[self.layer_id].dtype == x.dtype):
+        if self.kernels is not None and self.qkv_proj is not None and self.native_fits(x, batch):
             return self.o_proj(self.native(self.qkv_proj(x), rope, batch))
         q, k, v = self.project(x)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -278,6 +287,10 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, self.layer_id, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def native_fits(self, x: torch.Tensor, batch: AttentionBatch) -> bool:
+        """The native attention runs this forward (see native_attention_fits; the cache in x's dtype)."""
+        return native_attention_fits(batch, x.shape[0]) and batch.kv.k[self.layer_id].dtype == x.dtype
 
     def native(self, qkv: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
         """qk-norm, rotary, KV write and attention over the slot table in one native call: [T, H * D]."""

@@ -11,13 +11,16 @@ MoE models (`moe.py`) reuse this class and only replace `make_mlp`.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from engine.models.attention import AttentionBatch
 from engine.models.base import CausalLM, ModelOutput
 from engine.models.layers import (Attention, GatedMLP, RMSNorm, Rope, RotaryEmbedding, check_dense_attention,
-                                  config_value, head_dim_of, rope_parameters)
+                                  config_value, head_dim_of, linear_parts, rope_parameters)
+from engine.models.quant import NATIVE_MAX_ROWS as INT8_NATIVE_MAX_ROWS
 
 
 class DecoderLayer(nn.Module):
@@ -33,9 +36,34 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
+        weights = self.native_weights
+        if weights is not None and self.self_attn.native_fits(x, batch):
+            return self.run_native(x, rope, batch, weights)
         normed = self.input_layernorm(x) if self.input_layernorm is not None else x
         h, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, rope, batch))
         return h + self.mlp(normed)
+
+
+    @functools.cached_property
+    def native_weights(self) -> tuple | None:
+        """What the native kernels' dense_layer reads, in its order; None: the layer runs module by
+        module (no native kernels, an MoE block, projections not stacked)."""
+        attn, mlp = self.self_attn, self.mlp
+        if (attn.kernels is None or not isinstance(mlp, GatedMLP) or attn.qkv_proj is None
+                or mlp.gate_up_proj is None):
+            return None
+        norm_in = self.input_layernorm.weight if self.input_layernorm is not None else None
+        post = self.post_attention_layernorm
+        linears = [linear_parts(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None, 0.0)
+        return (norm_in, post.weight, post.eps, *(t for parts in linears for t in parts), *qk,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, INT8_NATIVE_MAX_ROWS)
+
+    def run_native(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch, weights: tuple) -> torch.Tensor:
+        attn, seqs, kv = self.self_attn, batch.layout, batch.kv
+        return attn.kernels.dense_layer(x, rope.native(attn.kernels, x.shape[0]), kv.k[attn.layer_id],
+                                        kv.v[attn.layer_id], seqs.q_start, seqs.q_lens, seqs.kv_lens, seqs.rows,
+                                        seqs.table, *weights)
 
 
 def make_attention(config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
