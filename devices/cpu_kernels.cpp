@@ -484,12 +484,15 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& rope, at::Tensor k
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
-  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a stacked [T, 2I] gate|up");
-  m.def("int8_linear", &int8_linear, "weight-only int8 linear, per-output-channel scales");
-  m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix");
-  m.def("dense_layer", &dense_layer, "a dense decoder layer: norms, products, attention, SwiGLU");
-  m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention");
-  m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache");
+  // The GIL is released while a kernel runs (the arguments are converted before, the result after):
+  // the rank's event loop schedules the next batch meanwhile, as it does while torch's own operators run.
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension", release);
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))", release);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a stacked [T, 2I] gate|up", release);
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear, per-output-channel scales", release);
+  m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix", release);
+  m.def("dense_layer", &dense_layer, "a dense decoder layer: norms, products, attention, SwiGLU", release);
+  m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention", release);
+  m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache", release);
 }
