@@ -6,8 +6,6 @@ native kernels with int8 weights; for decodes, verify-like runs and prompts.
 Each case: `rows` sequences, each adding `q` tokens to a context of --context tokens (the context
 grows by q a step, --steps steps; medians of the steps after the first five), or one prompt of
 `prompt` tokens. Paths run alternately, --rounds times, so a noisy neighbour hits all of them.
-The native attention is forced on every case here (also where the server runs the pure-torch
-attention: engine/models/layers.py, native_attention_fits) so the crossover shows.
 """
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import engine.models.layers as layers  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
 from engine.models.testing import PagedRunner  # noqa: E402
 
@@ -67,8 +64,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    layers.NATIVE_ATTENTION_MAX_Q = 1 << 30
-    layers.NATIVE_ATTENTION_MAX_TOKENS = 1 << 30
     models = {name: load_model(args.model, torch.float32, "cpu", **kw)[0] for name, kw in PATHS.items()}
     cases = [(f"{rows} x {q} tokens", lambda m, rows=rows, q=q: decode_ms(m, rows, q, args.context, args.steps))
              for rows, q in DECODE_CASES]

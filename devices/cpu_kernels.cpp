@@ -184,6 +184,53 @@ at::Tensor rope_table(const at::Tensor& q_start, const at::Tensor& q_len, const 
   return table;
 }
 
+// From this many query rows a (sequence, kv head) on, attention runs as two matrix products over
+// gathered keys instead of key by key (bench/cpu_kernels.py).
+constexpr int64_t ROWS_FOR_PRODUCTS = 8;
+
+// Many queries a sequence (verify runs of many sequences, prompt chunks): the (sequence, kv head)'s
+// keys and values gathered once into float matrices, scores and outputs as two matrix products.
+template <typename T>
+void attend_by_products(const float* const* query, int64_t n_rows, int64_t group, int64_t keys, int64_t first,
+                        const int64_t* slots, const T* kc, const T* vc, int64_t kv_heads, int64_t kv_head,
+                        int64_t dim, float softmax_scale, T* const* out_rows) {
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto q = at::empty({n_rows, dim}, opts), k = at::empty({keys, dim}, opts), v = at::empty({keys, dim}, opts);
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  for (int64_t r = 0; r < n_rows; ++r) std::memcpy(qp + r * dim, query[r], dim * sizeof(float));
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* ks = kc + (slots[j] * kv_heads + kv_head) * dim;
+    const T* vs = vc + (slots[j] * kv_heads + kv_head) * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      kp[j * dim + d] = to_float(ks[d]);
+      vp[j * dim + d] = to_float(vs[d]);
+    }
+  }
+  auto scores = at::mm(q, k.t());                       // [n_rows, keys]
+  float* sp = scores.data_ptr<float>();
+  for (int64_t r = 0; r < n_rows; ++r) {
+    float* row = sp + r * keys;
+    const int64_t visible = first + r / group + 1;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < visible; ++j) top = std::max(top, row[j]);
+    float total = 0.f;
+_Pragma("omp simd reduction(+ : total)")
+    for (int64_t j = 0; j < visible; ++j) {
+      row[j] = fast_exp((row[j] - top) * softmax_scale);
+      total += row[j];
+    }
+    const float norm = 1.f / total;
+    for (int64_t j = 0; j < visible; ++j) row[j] *= norm;
+    for (int64_t j = visible; j < keys; ++j) row[j] = 0.f;
+  }
+  auto out = at::mm(scores, v);                          // [n_rows, dim]
+  const float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < n_rows; ++r)
+    for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = static_cast<T>(op[r * dim + d]);
+}
+
 template <typename T>
 void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
@@ -269,6 +316,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
     std::vector<float> scores, acc;
     std::vector<int64_t> slots;
     std::vector<const float*> query;          // row r's query vector (token q_start + r / group, head r % group)
+    std::vector<T*> out_rows;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / heads.kv, kv_head = job % heads.kv;
       const int64_t n_q = ql[b], keys = kl[b], first = keys - n_q, n_rows = n_q * group;
@@ -280,6 +328,14 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
       query.resize(n_rows);
       for (int64_t r = 0; r < n_rows; ++r)
         query[r] = queries.data() + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
+      if (n_rows >= ROWS_FOR_PRODUCTS) {
+        out_rows.resize(n_rows);
+        for (int64_t r = 0; r < n_rows; ++r)
+          out_rows[r] = dst + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
+        attend_by_products(query.data(), n_rows, group, keys, first, slots.data(), kc, vc, heads.kv, kv_head, dim,
+                           softmax_scale, out_rows.data());
+        continue;
+      }
       for (int64_t j = 0; j < keys; ++j) {
         const T* k = kc + (slots[j] * heads.kv + kv_head) * dim;
         // rows of queries at positions >= j: all of them for j <= first, fewer for the new keys

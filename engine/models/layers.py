@@ -224,18 +224,6 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-# The native attention takes each key's dot products one query at a time: it wins where a forward's
-# cost is its many small operations (decodes and draft steps, one or two queries a sequence; any
-# forward of a few tokens) and loses to the pure-torch path's batched products on many queries
-# (verify runs of many sequences, prompt chunks): bench/cpu_kernels.py measures both.
-NATIVE_ATTENTION_MAX_Q = 2
-NATIVE_ATTENTION_MAX_TOKENS = 16
-
-
-def native_attention_fits(batch: AttentionBatch, tokens: int) -> bool:
-    return batch.layout.max_q <= NATIVE_ATTENTION_MAX_Q or tokens <= NATIVE_ATTENTION_MAX_TOKENS
-
-
 class Attention(nn.Module):
     """Grouped-query attention writing to and reading from layer `layer_id` of the paged cache.
 
@@ -289,8 +277,8 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def native_fits(self, x: torch.Tensor, batch: AttentionBatch) -> bool:
-        """The native attention runs this forward (see native_attention_fits; the cache in x's dtype)."""
-        return native_attention_fits(batch, x.shape[0]) and batch.kv.k[self.layer_id].dtype == x.dtype
+        """The native attention runs this forward: the cache holds x's dtype."""
+        return batch.kv.k[self.layer_id].dtype == x.dtype
 
     def native(self, qkv: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
         """qk-norm, rotary, KV write and attention over the slot table in one native call: [T, H * D]."""
