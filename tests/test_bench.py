@@ -680,6 +680,27 @@ def test_cpu_linear_times_every_path_at_each_shape():
     assert len(lines) == 4 and all("F.linear f32" in line and "oneDNN bf16" in line for line in lines)
 
 
+def test_cpu_kernels_times_each_path_on_each_case():
+    result = cli("bench/cpu_kernels.py", "--steps", "7", "--rounds", "1", "--context", "16", timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if "tokens" in line or "prompt of" in line]
+    assert len(rows) == 8 and all(len(row) >= 5 for row in rows)
+    assert all(float(value) > 0 for row in rows for value in row[-5:])      # 3 paths and 2 ratios, all measured
+
+
+def test_perplexity_scores_held_out_tokens_for_each_variant(tmp_path):
+    out = tmp_path / "ppl.json"
+    result = cli("tools/perplexity.py", "--max-tokens", "600", "--window", "128", "--variant", "none",
+                 "--variant", "q8_0", "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"none", "q8_0"}
+    assert results["none"]["tokens"] == 600 - 5          # 5 windows, the first token of each unscored
+    assert 1 < results["none"]["perplexity"] < 100
+    ratio = results["q8_0"]["perplexity"] / results["none"]["perplexity"]
+    assert ratio != 1 and abs(ratio - 1) < 0.01                     # the weights did change, a little
+
+
 # ---- run as a fake server for bench/compare.py -------------------------------------
 
 if __name__ == "__main__":
