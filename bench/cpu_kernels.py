@@ -28,9 +28,13 @@ DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (row
 PROMPTS = [64, 512]
 
 
+def dtype_of(model) -> torch.dtype:
+    return model.embed_tokens.weight.dtype
+
+
 @torch.inference_mode()
 def decode_ms(model, rows: int, q: int, context: int, steps: int) -> float:
-    runner = PagedRunner(model.kv_layout(), torch.float32, max_requests=rows, max_context=context + steps * q + 8)
+    runner = PagedRunner(model.kv_layout(), dtype_of(model), max_requests=rows, max_context=context + steps * q + 8)
     ids, batch = runner.step([(r, list(range(1, context + 1))) for r in range(rows)])
     model(ids, batch)
     times = []
@@ -46,7 +50,7 @@ def decode_ms(model, rows: int, q: int, context: int, steps: int) -> float:
 def prompt_ms(model, tokens: int, repeats: int = 5) -> float:
     times = []
     for _ in range(repeats):
-        runner = PagedRunner(model.kv_layout(), torch.float32, max_requests=1, max_context=tokens + 8)
+        runner = PagedRunner(model.kv_layout(), dtype_of(model), max_requests=1, max_context=tokens + 8)
         ids, batch = runner.step([(0, list(range(1, tokens + 1)))])
         start = time.perf_counter()
         model.compute_logits(model(ids, batch).hidden[-1:])
@@ -58,28 +62,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "models" / "tandem-dense"))
+    parser.add_argument("--dtype", default="float32", help="comma-separated: every path in each (float32, bfloat16)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = {name: load_model(args.model, torch.float32, "cpu", **kw)[0] for name, kw in PATHS.items()}
+    dtypes = args.dtype.split(",")
+    models = {(f"{name} {dtype}" if len(dtypes) > 1 else name): load_model(args.model, dtype, "cpu", **kw)[0]
+              for dtype in dtypes for name, kw in PATHS.items()}
+    columns = list(models)
     cases = [(f"{rows} x {q} tokens", lambda m, rows=rows, q=q: decode_ms(m, rows, q, args.context, args.steps))
              for rows, q in DECODE_CASES]
     cases += [(f"prompt of {n}", lambda m, n=n: prompt_ms(m, n)) for n in PROMPTS]
+    width = max(14, *(len(c) + 2 for c in columns))
     print(f"{args.threads} threads, context {args.context}; ms a forward (with the LM head), medians over "
-          f"{args.rounds} alternating rounds")
-    print(f"{'case':>18}" + "".join(f"{name:>14}" for name in PATHS) + "   native / torch   int8 / torch")
+          f"{args.rounds} alternating rounds; ratios to '{columns[0]}'")
+    print(f"{'case':>18}" + "".join(f"{c:>{width}}" for c in columns) + "".join(f"{c:>{width}}" for c in columns[1:]))
     for label, run in cases:
-        samples: dict[str, list[float]] = {name: [] for name in PATHS}
+        samples: dict[str, list[float]] = {name: [] for name in columns}
         for round_ in range(args.rounds):
-            order = list(PATHS) if round_ % 2 == 0 else list(reversed(PATHS))
-            for name in order:
+            for name in columns if round_ % 2 == 0 else reversed(columns):
                 samples[name].append(run(models[name]))
         ms = {name: statistics.median(values) for name, values in samples.items()}
-        print(f"{label:>18}" + "".join(f"{ms[name]:14.2f}" for name in PATHS)
-              + f"   {ms['native'] / ms['torch']:14.2f}   {ms['native-int8'] / ms['torch']:12.2f}", flush=True)
+        print(f"{label:>18}" + "".join(f"{ms[c]:{width}.2f}" for c in columns)
+              + "".join(f"{ms[c] / ms[columns[0]]:{width}.2f}" for c in columns[1:]), flush=True)
 
 
 if __name__ == "__main__":
