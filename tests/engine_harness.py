@@ -32,3 +32,14 @@ async def run_batch(client, prompts: list[list[int]], params: SamplingParams | l
     params = params if isinstance(params, list) else [params] * len(prompts)
     jobs = [collect(client, f"r{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
     return await asyncio.wait_for(asyncio.gather(*jobs), timeout)
+
+
+# Every speculative algorithm on the embedded dense model (standalone drafts every step: its
+# plain-step fallback under load off), for tests that run each.
+ALGORITHMS = {
+    "none": ["--speculative-algorithm", "none"],
+    "eagle": ["--speculative-algorithm", "eagle"],
+    "eagle3": ["--speculative-algorithm", "eagle3"],
+    "standalone": ["--speculative-algorithm", "standalone", "--speculative-disable-by-batch-size", "0"],
+    "ngram": ["--speculative-algorithm", "ngram"],
+}

@@ -160,7 +160,7 @@ def test_without_a_compiler_auto_falls_back_and_native_refuses(monkeypatch, capl
 def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
     """Prompt chunks, then steps of decodes and multi-token (verify-like) runs side by side."""
     from engine.models.loader import load_model
-    from engine.models.testing import PagedRunner
+    from engine.models.testing import PagedRunner, step_logits
 
     logits = {}
     for choice in ("torch", "native"):
@@ -170,12 +170,7 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
         gen = torch.Generator().manual_seed(0)
         steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]
         steps += [[(0, [i + 1]), (1, [i + 7, i + 8, i + 9]), (2, [3, 4] if i == 0 else [i])] for i in range(5)]
-        outs = []
-        with torch.inference_mode():
-            for chunks in steps:
-                ids, batch = runner.step(chunks)
-                outs.append(model.compute_logits(model(ids, batch).hidden))
-        logits[choice] = torch.cat(outs)
+        logits[choice] = step_logits(model, runner, steps)
     if dtype == torch.float32:
         torch.testing.assert_close(logits["native"], logits["torch"], atol=1e-4, rtol=1e-4)
     else:       # bf16 rounds at different places on the two paths: the same tokens nearly everywhere

@@ -15,18 +15,12 @@ from engine.disagg import PrefillExporter, RemoteKv, prefill_params
 from engine.messages import KvLayer, PrefillDone, PrefillReserved, SamplingParams
 from engine.rank import build_core
 from tests.e2e_prompts import CODE_PROMPTS
+from tests.engine_harness import ALGORITHMS
 from tests.server_harness import DENSE
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, seed=7, ignore_eos=True)
-ALGORITHMS = {
-    "none": ["--speculative-algorithm", "none"],
-    "eagle": ["--speculative-algorithm", "eagle"],
-    "eagle3": ["--speculative-algorithm", "eagle3"],
-    "standalone": ["--speculative-algorithm", "standalone", "--speculative-disable-by-batch-size", "0"],
-    "ngram": ["--speculative-algorithm", "ngram"],
-}
 BASE = ["--model-path", str(DENSE), "--max-total-tokens", "4096", "--max-running-requests", "4",
         "--chunked-prefill-size", "16"]
 

@@ -20,18 +20,12 @@ from engine.args import parse_args
 from engine.messages import SamplingParams
 from engine.rank import build_core
 from tests.e2e_prompts import CODE_PROMPTS
+from tests.engine_harness import ALGORITHMS
 from tests.server_harness import DENSE, MOE, REPO
 
 NEW_TOKENS = 28
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, top_p=0.95, seed=2**40 + 3, ignore_eos=True)
-ALGORITHMS = {
-    "none": ["--speculative-algorithm", "none"],
-    "eagle": ["--speculative-algorithm", "eagle"],
-    "eagle3": ["--speculative-algorithm", "eagle3"],
-    "standalone": ["--speculative-algorithm", "standalone", "--speculative-disable-by-batch-size", "0"],
-    "ngram": ["--speculative-algorithm", "ngram"],
-}
 BASE = ["--model-path", str(DENSE), "--max-total-tokens", "4096", "--max-running-requests", "4"]
 
 

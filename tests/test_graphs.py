@@ -34,18 +34,12 @@ from engine.messages import SamplingParams
 from engine.rank import build_core
 from tests import test_dp_attention as dp_attention
 from tests.e2e_prompts import CODE_PROMPTS
+from tests.engine_harness import ALGORITHMS
 from tests.server_harness import DENSE
 
 CPU = torch.device("cpu")
 SIZES = ["--cuda-graph-bs", "2", "4"]           # a batch of 3 pads to 4, of 1 to 2; 5 or more run eagerly
 GRAPHS_ON = ["--enable-cpu-graph", *SIZES]
-ALGORITHMS = {
-    "none": ["--speculative-algorithm", "none"],
-    "eagle": ["--speculative-algorithm", "eagle"],
-    "eagle3": ["--speculative-algorithm", "eagle3"],
-    "standalone": ["--speculative-algorithm", "standalone", "--speculative-disable-by-batch-size", "0"],
-    "ngram": ["--speculative-algorithm", "ngram"],
-}
 BASE = ["--model-path", str(DENSE), "--max-total-tokens", "4096", "--max-running-requests", "6"]
 
 

@@ -51,7 +51,7 @@ def test_native_product_matches_the_dequantized_one(dtype, rows):
 @pytest.mark.parametrize("cpu_kernels_choice", ["auto", "torch"])
 def test_int8_model_tracks_the_float_model(cpu_kernels_choice):
     from engine.models.loader import load_model
-    from engine.models.testing import PagedRunner
+    from engine.models.testing import PagedRunner, step_logits
 
     logits = {}
     for quantization in (None, "int8"):
@@ -63,12 +63,7 @@ def test_int8_model_tracks_the_float_model(cpu_kernels_choice):
         gen = torch.Generator().manual_seed(1)
         steps = [[(0, torch.randint(0, 4096, (40,), generator=gen).tolist()), (1, [7, 8, 9])]]
         steps += [[(0, [i + 3]), (1, [i + 5, i + 6])] for i in range(6)]
-        outs = []
-        with torch.inference_mode():
-            for chunks in steps:
-                ids, batch = runner.step(chunks)
-                outs.append(model.compute_logits(model(ids, batch).hidden))
-        logits[quantization] = torch.cat(outs)
+        logits[quantization] = step_logits(model, runner, steps)
     float_probs, int8_probs = (F.softmax(logits[q], -1) for q in (None, "int8"))
     kl = F.kl_div(int8_probs.log(), float_probs, reduction="batchmean")
     assert kl < 0.02, kl

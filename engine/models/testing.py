@@ -54,3 +54,13 @@ class PagedRunner:
     def reset(self, row: int) -> None:
         """Forget a request's tokens (its slots are reused by the next request on that row)."""
         self.lengths[row] = 0
+
+
+@torch.inference_mode()
+def step_logits(model, runner: PagedRunner, steps: list[list[tuple[int, list[int]]]]) -> torch.Tensor:
+    """Every token's logits [T, V] over `steps` (each a runner.step's chunks), in order."""
+    outs = []
+    for chunks in steps:
+        ids, batch = runner.step(chunks)
+        outs.append(model.compute_logits(model(ids, batch).hidden))
+    return torch.cat(outs)
