@@ -13,6 +13,10 @@ next launch, as `DeferredWorkFailed` (that launch's own work did not run).
 
 Every error of launched work (raised while enqueuing it, while it runs, or by the device when
 its completion is awaited) reaches whoever awaits the launch; nothing is lost in a helper thread.
+
+`launch(work, always=...)`: `always` runs on the stream first, whatever becomes of `work`, even
+when `work` does not run (the previous deferred part failed): bookkeeping that launches behind
+this one rely on (a step's slot-table entries: engine/model_runner.py) must land in any case.
 """
 from __future__ import annotations
 
@@ -71,8 +75,9 @@ class Device(ABC):
         """Where tensors of this rank live."""
 
     @abstractmethod
-    def launch(self, work: Callable[[], Any]) -> Launched:
-        """Queue work on the rank's stream, in order; the result is awaitable."""
+    def launch(self, work: Callable[[], Any], always: Callable[[], None] | None = None) -> Launched:
+        """Queue work on the rank's stream, in order; the result is awaitable. `always`: run first,
+        even where `work` does not run."""
 
     @abstractmethod
     def synchronize(self) -> None:

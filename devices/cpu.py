@@ -35,7 +35,7 @@ class CpuDevice(Device):
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
 
-    def launch(self, work: Callable[[], Any]) -> Launched:
+    def launch(self, work: Callable[[], Any], always: Callable[[], None] | None = None) -> Launched:
         loop = asyncio.get_running_loop()
         launched = Launched(loop.create_future())
 
@@ -46,11 +46,7 @@ class CpuDevice(Device):
             if self.threads and torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
             try:
-                if self.rest_error is not None:
-                    error, self.rest_error = self.rest_error, None
-                    raise DeferredWorkFailed(f"work deferred from the previous launch failed: {error!r}") from error
-                with torch.inference_mode():
-                    result = work()
+                result = self.run(work, always)
             except BaseException as exc:      # delivered to whoever awaits the launch
                 launched.finished = now()
                 loop.call_soon_threadsafe(settle, launched.future, None, exc)
@@ -69,6 +65,16 @@ class CpuDevice(Device):
 
         self.worker.submit(timed)
         return launched
+
+    def run(self, work: Callable[[], Any], always: Callable[[], None] | None) -> Any:
+        """On the worker: `always`, then `work` unless the previous launch's deferred part failed."""
+        with torch.inference_mode():
+            if always is not None:
+                always()
+            if self.rest_error is not None:
+                error, self.rest_error = self.rest_error, None
+                raise DeferredWorkFailed(f"work deferred from the previous launch failed: {error!r}") from error
+            return work()
 
     def synchronize(self) -> None:
         self.worker.submit(lambda: None).result()

@@ -30,12 +30,12 @@ class StreamDevice(Device):
     def order_after_setup(self) -> None:
         self.stream.wait_stream(self.module.current_stream(self.index))
 
-    def launch(self, work: Callable[[], Any]) -> Launched:
+    def launch(self, work: Callable[[], Any], always: Callable[[], None] | None = None) -> Launched:
         loop = asyncio.get_running_loop()
         launched = Launched(loop.create_future())
         launched.started = now()
         try:
-            result, event = self.enqueue(work)
+            result, event = self.enqueue(work, always)
         except Exception as exc:       # raised while enqueuing: the awaiting loop gets it
             launched.finished = now()
             launched.future.set_exception(exc)
@@ -54,9 +54,11 @@ class StreamDevice(Device):
         self.waiter.submit(wait)
         return launched
 
-    def enqueue(self, work: Callable[[], Any]) -> tuple[Any, Any]:
+    def enqueue(self, work: Callable[[], Any], always: Callable[[], None] | None = None) -> tuple[Any, Any]:
         """Queue work on the rank's stream and record its completion event."""
         with torch.inference_mode(), self.module.stream(self.stream):
+            if always is not None:
+                always()
             result = work()
             event = self.module.Event()
             event.record(self.stream)

@@ -10,7 +10,10 @@ The batch launched behind it is re-planned around them: their rows in it read th
 step's outputs and are dropped when it is processed (they are finished), while its other rows
 never depended on the failed step (each request's inputs come from its own earlier steps, its
 own KV slots and per-row device state), so their work stands and their output, seeded sampling
-included, is what it would have been.
+included, is what it would have been. The rows of the failed requests in it still run: the
+failed step's bookkeeping (its slot-table entries, its prompts' decode lengths) landed anyway
+(ModelRunner.launch), so they write only into their own, freed slots, and nothing in them can
+make the step raise for its other rows.
 
 When the deferred part of a step fails (devices/base.py: Deferred), the next launch reports it
 without having run: the step whose deferred part failed is at fault, and the launch that did not
@@ -98,9 +101,16 @@ class EngineCore:
         return news
 
     async def drain(self) -> list[Request]:
-        """Finish the step in flight (at shutdown)."""
+        """Finish the step in flight."""
         flight, self.in_flight = self.in_flight, None
         return await self.finish(flight, behind=None) if flight else []
+
+    async def close(self) -> list[Request]:
+        """At shutdown: finish the step in flight, then release the captured graphs (on the stream,
+        behind everything that could replay them)."""
+        news = await self.drain()
+        await self.runner.device.launch(self.runner.release_graphs)
+        return news
 
     # ---- a request's state, to continue elsewhere ----------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -135,8 +136,7 @@ class ModelRunner:
         sample_rows, future_ids, noise_keys = sampling_rows(batch)
         long = long_tensor
         return StepInputs(
-            input_ids=long(batch.input_ids), table_rows=long(batch.table_rows), table_pos=long(batch.table_pos),
-            table_slots=long(batch.table_slots), q_lens=long(q_lens), kv_lens=long(kv_lens),
+            input_ids=long(batch.input_ids), q_lens=long(q_lens), kv_lens=long(kv_lens),
             rows=long([seq.row for seq in batch.seqs]), sample_rows=long(sample_rows), future_ids=long(future_ids),
             max_q=batch.max_q, max_kv=batch.max_kv,
             sampling=SamplingBatch.build(batch.sample_params, noise_keys, self.vocab_size, torch.device("cpu")),
@@ -166,14 +166,40 @@ class ModelRunner:
 
     def launch(self, batch: ScheduledBatch, graph: GraphShape | None = None) -> Launched:
         """The batch on the stream; `graph`: the captured graph its target forward replays (graph_shape,
-        or what a DP-attention group agreed), None: eagerly."""
-        inputs = self.prepare(batch)
-        inputs.graph = graph
-        step = self.speculative_step if inputs.spec_decode else self.forward_and_sample
-        work = functools.partial(step, inputs)
-        if self.faults:
-            work = self.faults.wrap(batch, work)
-        return self.device.launch(work)
+        or what a DP-attention group agreed), None: eagerly.
+
+        What the batch launched behind this one was planned on lands on the stream whatever becomes
+        of this step (preparing it raises, its work fails, or it does not run): its rows of a request
+        that this step fails still run, and must stay inside that request's own slots (freed, and
+        reused only by work queued after). Hence `bookkeeping` runs first, always."""
+        bookkeeping = self.bookkeeping(batch)
+        try:
+            inputs = self.prepare(batch)
+            inputs.graph = graph
+            step = self.speculative_step if inputs.spec_decode else self.forward_and_sample
+            work = functools.partial(step, inputs)
+            if self.faults:
+                work = self.faults.wrap(batch, work)
+        except Exception as exc:       # delivered to whoever awaits the launch, after the bookkeeping
+            work = functools.partial(reraise, exc)
+        return self.device.launch(work, always=bookkeeping)
+
+    def bookkeeping(self, batch: ScheduledBatch) -> Callable[[], None]:
+        """On the stream: the slot-table entries of the pages this batch allocated (else the rows
+        read stale entries: a neighbour's slots), and with a speculative worker each completed
+        prompt's length (else its first decode step drafts from a stale length, writing past the
+        positions it was given slots for)."""
+        long, dev = long_tensor, self.device.torch_device
+        rows, pos, slots = long(batch.table_rows), long(batch.table_pos), long(batch.table_slots)
+        prompts = [seq for seq in batch.seqs if seq.last_chunk and not seq.decode] if self.worker else []
+        seeded_rows, lengths = long([seq.row for seq in prompts]), long([seq.start + seq.q_len for seq in prompts])
+
+        def write() -> None:
+            if rows.numel():
+                self.req_to_slot[rows.to(dev), pos.to(dev)] = slots.to(dev)
+            if seeded_rows.numel():
+                self.worker.kv_len[seeded_rows.to(dev)] = lengths.to(dev)
+        return write
 
     # ---- on the stream -------------------------------------------------------------
 
@@ -181,14 +207,8 @@ class ModelRunner:
         """A host tensor of the step's inputs on the device, without waiting."""
         return tensor.to(self.device.torch_device, non_blocking=True)
 
-    def update_table(self, inp: StepInputs) -> None:
-        dev = self.device.torch_device
-        if inp.table_rows.numel():
-            self.req_to_slot[inp.table_rows.to(dev), inp.table_pos.to(dev)] = inp.table_slots.to(dev)
-
     def forward_and_sample(self, inp: StepInputs) -> StepResult | Deferred:
         put = self.put
-        self.update_table(inp)
         input_ids = self.futures.resolve(put(inp.input_ids))
         if inp.graph is not None:
             logits = self.graphs.decode_logits(inp.graph, input_ids, put(inp.kv_lens) - 1, put(inp.rows))
@@ -215,7 +235,6 @@ class ModelRunner:
         return step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb), tokens
 
     def speculative_step(self, inp: StepInputs) -> StepResult:
-        self.update_table(inp)
         result = self.worker.decode_step(inp)
         put = self.put
         # each request's future: its last emitted token (the input of a plain decode that follows)
@@ -241,7 +260,7 @@ class ModelRunner:
         chain = self.spec_tokens - 1 if decode and self.worker else 0
         spec = SpecInputs(decode=decode, chain=chain, draft_lag=empty, draft_next=empty, trim=False) \
             if self.worker else None
-        return StepInputs(input_ids=empty, table_rows=empty, table_pos=empty, table_slots=empty, q_lens=empty,
+        return StepInputs(input_ids=empty, q_lens=empty,
                           kv_lens=empty, rows=empty, sample_rows=empty, future_ids=empty, max_q=chain + 1,
                           max_kv=chain + 1, sampling=SamplingBatch.build([], [], self.vocab_size, torch.device("cpu")),
                           spec=spec)
@@ -307,6 +326,11 @@ class ModelRunner:
         """(phase, device seconds) of a finished speculative step, from the marks it recorded."""
         marks, device = result.marks, self.device
         return [(name, device.seconds_between(prev, cur)) for (_, prev), (name, cur) in zip(marks, marks[1:])]
+
+
+def reraise(exc: Exception) -> None:
+    """Launched work that fails with what preparing the step raised."""
+    raise exc
 
 
 def long_tensor(values: list[int]) -> torch.Tensor:

@@ -96,7 +96,7 @@ class Rank:
                 self.report()
                 if self.has_nothing_to_do():
                     await self.idle(STATS_INTERVAL)
-            self.send_news(await self.core.drain())
+            self.send_news(await self.core.close())
             await self.channel.writer.drain()
         finally:
             reader.cancel()

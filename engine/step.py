@@ -36,9 +36,6 @@ class SpecInputs:
 class StepInputs:
     """Host tensors of one batch; kept referenced until its work has run."""
     input_ids: torch.Tensor
-    table_rows: torch.Tensor
-    table_pos: torch.Tensor
-    table_slots: torch.Tensor
     q_lens: torch.Tensor
     kv_lens: torch.Tensor
     rows: torch.Tensor

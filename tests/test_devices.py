@@ -69,6 +69,24 @@ async def test_cpu_stream_delivers_a_deferred_result_before_its_rest_runs():
     device.close()
 
 
+async def test_cpu_stream_runs_always_first_whatever_becomes_of_the_work():
+    """`always` (a step's bookkeeping) runs before the work, when the work raises, and when the work
+    does not run because the previous launch's deferred part failed."""
+    device = create_device("cpu")
+    order = []
+
+    def broken():
+        raise ValueError("failed")
+    assert await device.launch(lambda: order.append("work") or 1, always=lambda: order.append("always")) == 1
+    with pytest.raises(ValueError):
+        await device.launch(broken, always=lambda: order.append("always 2"))
+    await device.launch(lambda: Deferred(3, broken))
+    with pytest.raises(DeferredWorkFailed):
+        await device.launch(lambda: order.append("skipped"), always=lambda: order.append("always 3"))
+    assert order == ["always", "work", "always 2", "always 3"]
+    device.close()
+
+
 async def test_cpu_stream_threads_are_its_own():
     device = create_device("cpu")
     before = torch.get_num_threads()
@@ -129,8 +147,10 @@ async def test_stream_device_errors_reach_the_awaiting_loop():
 
     def enqueue_fails():
         raise ValueError("bad shapes")
+    ran = []
     with pytest.raises(ValueError, match="bad shapes"):             # raised while enqueuing
-        await asyncio.wait_for(device.launch(enqueue_fails), 5)
+        await asyncio.wait_for(device.launch(enqueue_fails, always=lambda: ran.append("always")), 5)
+    assert ran == ["always"]                                         # queued first, whatever the work did
     FakeStreamModule.device_error = "CUDA error: an illegal memory access was encountered"
     try:
         with pytest.raises(RuntimeError, match="illegal memory access"):     # raised by event.synchronize

@@ -2,7 +2,9 @@
 re-plans the batch launched behind it, and keeps serving everyone else with the same greedy
 output (against transformers). Faults come from the rank's test hook (engine/faults.py),
 injected into real rank processes: on the device stream, in the deferred part of a prefill
-(the draft reading the prompt) and while a step is prepared on the CPU."""
+(the draft reading the prompt) and while a step is prepared on the CPU. In-process, the KV a
+neighbour holds is checked bit for bit across the failure (the batch launched behind a failed
+step still runs the failed request's rows: they must write into its own slots only)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +12,14 @@ import asyncio
 import pytest
 import torch
 
-from engine.faults import ENV
+from devices.cpu import CpuDevice
+from engine.args import parse_args
+from engine.faults import ENV, FaultInjector
 from engine.messages import SamplingParams
 from server.engine_client import EngineFailed
 from tests.e2e_prompts import CODE_PROMPTS
-from tests.engine_harness import collect, engine
+from engine.rank import build_core
+from tests.engine_harness import ALGORITHMS, collect, engine
 from tests.server_harness import DENSE
 
 pytestmark = pytest.mark.slow
@@ -130,3 +135,40 @@ async def test_a_seeded_request_survives_a_neighbours_failure(prompts, monkeypat
         tokens = list(first.token_ids) + [t async for delta in stream for t in delta.token_ids]
     assert isinstance(poisoned, EngineFailed)
     assert tokens == clean
+
+
+@pytest.mark.parametrize("where", ["stream", "launch"])
+@pytest.mark.parametrize("algorithm", [name for name in ALGORITHMS if name != "none"])
+async def test_the_step_behind_a_failure_writes_nothing_into_a_neighbours_kv(algorithm, where, prompts):
+    """The poisoned request's prefill fails (its work never wrote its slot-table entries nor its
+    decode state), while the step behind it, launched with the overlap, already holds its first
+    speculative decode. The neighbour was admitted first, so it owns slot 0, where a fresh row's
+    unwritten entries point. (Without speculation a prompt shares its step with every decode: the
+    neighbour would fail with it, as test_a_failing_step_fails_only_its_requests expects.)"""
+    device = CpuDevice()
+    core = build_core(parse_args(["--model-path", str(DENSE), *ALGORITHMS[algorithm]]), device, eos_ids=frozenset())
+    try:
+        scheduler, runner = core.scheduler, core.runner
+        assert scheduler.add("neighbour", prompts[1], GREEDY) is None
+        neighbour = scheduler.requests["neighbour"]
+        for _ in range(100):
+            if len(neighbour.output_ids) >= 4:
+                break
+            await core.step()
+        await core.drain()
+        slots = torch.tensor(scheduler.pool.slots(neighbour.pages, 0, neighbour.kv_len))
+        assert slots[0] == 0
+        held = [(k[slots].clone(), v[slots].clone()) for k, v in zip(runner.kv.k, runner.kv.v)]
+        runner.faults = FaultInjector(rid="poison", where=where)
+        assert scheduler.add("poison", prompts[0], GREEDY) is None
+        poison = scheduler.requests["poison"]
+        for _ in range(100):
+            if poison.finished:
+                break
+            await core.step()
+        await core.drain()
+        assert poison.finish_reason == "error" and not neighbour.finished and core.failed_steps == 1
+        for (k, v), (k_held, v_held) in zip(zip(runner.kv.k, runner.kv.v), held):
+            assert torch.equal(k[slots], k_held) and torch.equal(v[slots], v_held)
+    finally:
+        device.close()

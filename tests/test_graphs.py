@@ -148,6 +148,7 @@ class Run:
     accepted: list[list[int]] = field(default_factory=list)   # drafts each row of each speculative step accepted
     replays: dict[str, dict[int, int]] = field(default_factory=dict)
     padded_rows: int = 0
+    still_captured: int = 0                                   # graphs left captured after the engine closed
     kv: list[torch.Tensor] = field(default_factory=list)     # every layer's K and V (target, draft), pool slots only
 
 
@@ -193,8 +194,13 @@ def generate(flags: list[str], whole_chains: bool = False, device_name: str = "c
             run.accepted.append(done.result.accepted.tolist())
     core.observers.append(observe)
 
+
+    async def complete_and_close() -> list[list[int]]:
+        outputs = await complete(core, prompts(), budgets(8))
+        await core.close()
+        return outputs
     try:
-        run.outputs = asyncio.run(complete(core, prompts(), budgets(8)))
+        run.outputs = asyncio.run(complete_and_close())
     finally:
         device.close()
     runner = core.runner
@@ -203,6 +209,7 @@ def generate(flags: list[str], whole_chains: bool = False, device_name: str = "c
     for runner in core.runner.graph_runners():
         run.replays[runner.name] = dict(runner.replays)
         run.padded_rows += runner.padded_rows
+        run.still_captured += len(runner.graphs)
     return run
 
 
@@ -230,6 +237,7 @@ def test_graphs_on_and_off_give_plain_greedy_output(algorithm, extra, plain_gree
     assert all(torch.allclose(a, b, rtol=0, atol=1e-3) for a, b in zip(on.kv, off.kv))
     assert set(on.replays) == CAPTURED[algorithm] and all(on.replays.values())
     assert set(on.replays["target-decode" if algorithm == "none" else "target-verify"]) == {2, 4}
+    assert on.still_captured == 0               # the engine's close released them
     assert on.padded_rows > 0                   # batches between the captured sizes (padded)
     assert max(on.decode_rows) > 4              # and above the largest (eager)
 
