@@ -1,5 +1,6 @@
 """One model forward on the CPU, in-process, on each path: pure torch, the native kernels, and the
-native kernels with int8 weights; for decodes, verify-like runs and prompts.
+native kernels with int8 weights (and, for an MoE model, the native kernels with the experts run
+by the grouped Python loop instead of one native call); for decodes, verify-like runs and prompts.
 
     python bench/cpu_kernels.py --threads 2 [--model models/tandem-dense] [--rounds 2]
 
@@ -20,12 +21,29 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from engine.models.loader import load_model  # noqa: E402
+from engine.models.moe import StackedExperts  # noqa: E402
 from engine.models.testing import PagedRunner  # noqa: E402
 
 PATHS = {"torch": {"cpu_kernels": "torch"}, "native": {"cpu_kernels": "native"},
          "native-int8": {"cpu_kernels": "native", "quantization": "int8"}}
+EXPERT_LOOP = "native-expert-loop"          # MoE models only
 DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q)
 PROMPTS = [64, 512]
+
+
+def load(path: str, dtype: str, name: str):
+    """The model on one path; EXPERT_LOOP: native kernels, the experts through StackedExperts'
+    grouped loop (what ran before their native call), for a side-by-side measure of that call."""
+    model = load_model(path, dtype, "cpu", **PATHS.get(name, PATHS["native"]))[0]
+    if name == EXPERT_LOOP:
+        for experts in (m for m in model.modules() if isinstance(m, StackedExperts)):
+            experts.forward = experts.forward_grouped
+    return model
+
+
+def is_moe(path: str) -> bool:
+    return "num_experts" in (Path(path) / "config.json").read_text() or "num_local_experts" in \
+        (Path(path) / "config.json").read_text()
 
 
 def dtype_of(model) -> torch.dtype:
@@ -70,8 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    models = {(f"{name} {dtype}" if len(dtypes) > 1 else name): load_model(args.model, dtype, "cpu", **kw)[0]
-              for dtype in dtypes for name, kw in PATHS.items()}
+    paths = list(PATHS) + ([EXPERT_LOOP] if is_moe(args.model) else [])
+    models = {(f"{name} {dtype}" if len(dtypes) > 1 else name): load(args.model, dtype, name)
+              for dtype in dtypes for name in paths}
     columns = list(models)
     cases = [(f"{rows} x {q} tokens", lambda m, rows=rows, q=q: decode_ms(m, rows, q, args.context, args.steps))
              for rows, q in DECODE_CASES]

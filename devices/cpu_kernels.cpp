@@ -537,6 +537,57 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& rope, at::Tensor k
   return h + layer_linear(act, down_w, down_b, down_s, int8_max_rows);
 }
 
+// The experts of a sparse MoE block (engine/models/moe.py: StackedExperts) in one call: for each held
+// expert e (ids first .. first + E - 1) with routed pairs, its tokens' rows run gate_up[e], SwiGLU and
+// down[e] (torch's products), and out[t] = sum over t's pairs, in expert order, of weight * output,
+// each product and sum rounded to the dtype: what the grouped pure-torch path computes with one
+// Python iteration and some ten operators per expert.
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids_in, const at::Tensor& weights_in,
+                       const at::Tensor& gate_up, const at::Tensor& down, int64_t first) {
+  const auto x = x_in.contiguous();
+  check_cpu_rows(x, "x");
+  const auto expert_ids = expert_ids_in.to(at::kLong).contiguous();
+  const auto weights = weights_in.to(at::kFloat).contiguous();
+  const int64_t tokens = x.size(0), top_k = expert_ids.size(1), experts = gate_up.size(0);
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == tokens && weights.sizes() == expert_ids.sizes(),
+              "moe_experts: expert_ids and weights must be [tokens, top_k]");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && down.size(0) == experts && gate_up.size(2) == x.size(1)
+              && down.size(1) == x.size(1) && gate_up.size(1) == 2 * down.size(2), "moe_experts: expert weights do not fit");
+  // pairs grouped by held expert, in pair order within each (a counting sort)
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> pairs(experts);
+  for (int64_t i = 0; i < tokens * top_k; ++i) {
+    const int64_t e = ids[i] - first;
+    if (e >= 0 && e < experts) pairs[e].push_back(i);
+  }
+  auto out = at::zeros_like(x);
+  const float* w = weights.data_ptr<float>();
+  const int64_t width = x.size(1);
+  for (int64_t e = 0; e < experts; ++e) {
+    const auto& routed = pairs[e];
+    if (routed.empty()) continue;
+    std::vector<int64_t> rows(routed.size());
+    for (size_t j = 0; j < routed.size(); ++j) rows[j] = routed[j] / top_k;
+    const at::Tensor inputs = rows.size() == 1 ? x.narrow(0, rows[0], 1)
+                                               : x.index_select(0, at::tensor(rows, x.options().dtype(at::kLong)));
+    const at::Tensor y = at::linear(silu_mul(at::linear(inputs, gate_up[e])), down[e]).contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
+      const auto* yp = y.data_ptr<scalar_t>();
+      auto* op = out.data_ptr<scalar_t>();
+      for (size_t j = 0; j < routed.size(); ++j) {
+        const scalar_t weight = static_cast<scalar_t>(w[routed[j]]);
+        scalar_t* o = op + rows[j] * width;
+        const scalar_t* yr = yp + j * width;
+        for (int64_t c = 0; c < width; ++c) {
+          const scalar_t term = static_cast<scalar_t>(to_float(yr[c]) * to_float(weight));
+          o[c] = static_cast<scalar_t>(to_float(o[c]) + to_float(term));
+        }
+      }
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -550,5 +601,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix", release);
   m.def("dense_layer", &dense_layer, "a dense decoder layer: norms, products, attention, SwiGLU", release);
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention", release);
+  m.def("moe_experts", &moe_experts, "the routed experts of a sparse MoE block, weighted and summed", release);
   m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache", release);
 }

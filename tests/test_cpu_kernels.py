@@ -1,6 +1,6 @@
 """The native CPU kernels (devices/cpu_kernels.cpp) against the pure-torch path they replace:
 each kernel alone, attention over random slot tables (prompt chunks, decodes, verify runs,
-GQA, qk-norm), the checks that refuse bad layouts, the fallback when nothing builds, and a
+GQA, qk-norm), the MoE experts (all held, and an expert-parallel share), the checks that refuse bad layouts, the fallback when nothing builds, and a
 whole model's logits on both paths."""
 from __future__ import annotations
 
@@ -36,6 +36,27 @@ def test_norms_and_swiglu_match_torch(dtype):
     gate_up = (torch.randn(5, 2 * 50, generator=gen) * 8).to(dtype)        # large |gate|: exp's range ends
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("held", [(0, 8), (2, 5)], ids=["all-experts", "expert-parallel-share"])
+def test_moe_experts_match_the_grouped_torch_path(dtype, tokens, held):
+    from engine.models.moe import StackedExperts
+    gen = torch.Generator().manual_seed(tokens)
+    experts = StackedExperts(8, 48, 32)
+    experts.gate_up_proj.data = torch.randn(8, 64, 48, generator=gen) / 7
+    experts.down_proj.data = torch.randn(8, 48, 32, generator=gen) / 6
+    experts.keep(*held)
+    experts = experts.to(dtype)
+    x = torch.randn(tokens, 48, generator=gen).to(dtype)
+    weights, expert_ids = torch.topk(torch.rand(tokens, 8, generator=gen).softmax(-1), 2, dim=-1)
+    reference = experts.forward_grouped(x, expert_ids, weights)
+    native = kernels.moe_experts(x, expert_ids, weights, experts.gate_up_proj, experts.down_proj, experts.first)
+    torch.testing.assert_close(native, reference, **tolerance(dtype))
+    if held == (2, 5):             # rows routed to no held expert stay 0
+        unrouted = ((expert_ids < 2) | (expert_ids >= 5)).all(dim=-1)
+        assert torch.all(native[unrouted] == 0)
 
 
 def torch_attention(qkv, heads, kv_heads, dim, kv, batch, inv_freq, q_norm=None):

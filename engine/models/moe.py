@@ -48,6 +48,8 @@ class StackedExperts(nn.Module):
         of weights[t, k] * expert_{ids[t, k]}(x[t])."""
         if x.device.type != "cpu":
             return self.forward_masked(x, expert_ids, weights)
+        if self.kernels is not None:       # the grouped path in one native call
+            return self.kernels.moe_experts(x, expert_ids, weights, self.gate_up_proj, self.down_proj, self.first)
         return self.forward_grouped(x, expert_ids, weights)
 
     def forward_grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
