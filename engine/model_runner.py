@@ -190,15 +190,16 @@ class ModelRunner:
         prompt's length (else its first decode step drafts from a stale length, writing past the
         positions it was given slots for)."""
         long, dev = long_tensor, self.device.torch_device
-        rows, pos, slots = long(batch.table_rows), long(batch.table_pos), long(batch.table_slots)
+        entries = (long(batch.table_rows), long(batch.table_pos), long(batch.table_slots)) if batch.table_rows else None
         prompts = [seq for seq in batch.seqs if seq.last_chunk and not seq.decode] if self.worker else []
-        seeded_rows, lengths = long([seq.row for seq in prompts]), long([seq.start + seq.q_len for seq in prompts])
+        seeds = prompts and (long([seq.row for seq in prompts]), long([seq.start + seq.q_len for seq in prompts]))
 
         def write() -> None:
-            if rows.numel():
+            if entries:
+                rows, pos, slots = entries
                 self.req_to_slot[rows.to(dev), pos.to(dev)] = slots.to(dev)
-            if seeded_rows.numel():
-                self.worker.kv_len[seeded_rows.to(dev)] = lengths.to(dev)
+            if seeds:
+                self.worker.kv_len[seeds[0].to(dev)] = seeds[1].to(dev)
         return write
 
     # ---- on the stream -------------------------------------------------------------
