@@ -1,6 +1,8 @@
 """One model forward on the CPU, in-process, on each path: pure torch, the native kernels, and the
-native kernels with int8 weights (and, for an MoE model, the native kernels with the experts run
-by the grouped Python loop instead of one native call); for decodes, verify-like runs and prompts.
+native kernels with int8 weights, and the native kernels with one part undone for a side-by-side
+measure of it (a dense model: its layers called one by one instead of in one call; an MoE model:
+its experts through the grouped Python loop instead of one call); for decodes, verify-like runs
+and prompts.
 
     python bench/cpu_kernels.py --threads 2 [--model models/tandem-dense] [--rounds 2]
 
@@ -26,18 +28,22 @@ from engine.models.testing import PagedRunner  # noqa: E402
 
 PATHS = {"torch": {"cpu_kernels": "torch"}, "native": {"cpu_kernels": "native"},
          "native-int8": {"cpu_kernels": "native", "quantization": "int8"}}
-EXPERT_LOOP = "native-expert-loop"          # MoE models only
+EXPERT_LOOP = "native-expert-loop"          # MoE models
+PER_LAYER = "native-per-layer"              # dense models
 DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q)
 PROMPTS = [64, 512]
 
 
 def load(path: str, dtype: str, name: str):
-    """The model on one path; EXPERT_LOOP: native kernels, the experts through StackedExperts'
-    grouped loop (what ran before their native call), for a side-by-side measure of that call."""
+    """The model on one path. EXPERT_LOOP: native kernels, the experts through StackedExperts'
+    grouped loop; PER_LAYER: native kernels, one dense_layer call per layer (what ran before
+    their native calls: dense_layers, moe_experts)."""
     model = load_model(path, dtype, "cpu", **PATHS.get(name, PATHS["native"]))[0]
     if name == EXPERT_LOOP:
         for experts in (m for m in model.modules() if isinstance(m, StackedExperts)):
             experts.forward = experts.forward_grouped
+    if name == PER_LAYER:
+        model.native_stack = None
     return model
 
 
@@ -88,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    paths = list(PATHS) + ([EXPERT_LOOP] if is_moe(args.model) else [])
+    paths = list(PATHS) + [EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
     models = {(f"{name} {dtype}" if len(dtypes) > 1 else name): load(args.model, dtype, name)
               for dtype in dtypes for name in paths}
     columns = list(models)

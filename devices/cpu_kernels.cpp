@@ -537,6 +537,29 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& rope, at::Tensor k
   return h + layer_linear(act, down_w, down_b, down_s, int8_max_rows);
 }
 
+// Every layer of a dense model in one call (dense_layer after dense_layer, the residual stream in
+// between): the stream runs the whole stack without coming back to Python. `layers[i]` holds layer
+// i's tensors in dense_layer's order (input_norm, post_norm, qkv w/b/s, o w/b/s, gate_up w/b/s,
+// down w/b/s, q_norm, k_norm; absent ones None); the scalars are every layer's.
+at::Tensor dense_layers(const at::Tensor& x_in, const at::Tensor& rope, std::vector<at::Tensor> k_caches,
+                        std::vector<at::Tensor> v_caches, const at::Tensor& q_start, const at::Tensor& q_len,
+                        const at::Tensor& kv_len, const at::Tensor& rows, const at::Tensor& table,
+                        const std::vector<std::vector<c10::optional<at::Tensor>>>& layers, double eps,
+                        double qk_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                        int64_t int8_max_rows) {
+  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+              "dense_layers: one K and one V cache per layer");
+  at::Tensor x = x_in;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& w = layers[i];
+    TORCH_CHECK(w.size() == 16 && w[1] && w[2] && w[5] && w[8] && w[11], "dense_layers: layer ", i, " is malformed");
+    x = dense_layer(x, rope, k_caches[i], v_caches[i], q_start, q_len, kv_len, rows, table, w[0], *w[1], eps,
+                    *w[2], w[3], w[4], *w[5], w[6], w[7], *w[8], w[9], w[10], *w[11], w[12], w[13], w[14], w[15],
+                    qk_eps, num_heads, num_kv_heads, head_dim, scale, int8_max_rows);
+  }
+  return x;
+}
+
 // The experts of a sparse MoE block (engine/models/moe.py: StackedExperts) in one call: for each held
 // expert e (ids first .. first + E - 1) with routed pairs, its tokens' rows run gate_up[e], SwiGLU and
 // down[e] (torch's products), and out[t] = sum over t's pairs, in expert order, of weight * output,
@@ -601,6 +624,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix", release);
   m.def("dense_layer", &dense_layer, "a dense decoder layer: norms, products, attention, SwiGLU", release);
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention", release);
+  m.def("dense_layers", &dense_layers, "every layer of a dense model, one dense_layer after another", release);
   m.def("moe_experts", &moe_experts, "the routed experts of a sparse MoE block, weighted and summed", release);
   m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache", release);
 }

@@ -1,7 +1,8 @@
 """The native CPU kernels (devices/cpu_kernels.cpp) against the pure-torch path they replace:
 each kernel alone, attention over random slot tables (prompt chunks, decodes, verify runs,
-GQA, qk-norm), the MoE experts (all held, and an expert-parallel share), the checks that refuse bad layouts, the fallback when nothing builds, and a
-whole model's logits on both paths."""
+GQA, qk-norm), the MoE experts (all held, and an expert-parallel share), the checks that refuse
+bad layouts, the fallback when nothing builds, a whole model's logits on both paths, and the
+stacked layers' call against the layers one by one."""
 from __future__ import annotations
 
 import logging
@@ -197,3 +198,19 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
     else:       # bf16 rounds at different places on the two paths: the same tokens nearly everywhere
         same = (logits["native"].argmax(-1) == logits["torch"].argmax(-1)).float().mean()
         assert same >= 0.95 and (logits["native"] - logits["torch"]).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_stacked_layers_call_equals_the_layers_one_by_one(quantization):
+    """dense_layers runs the same dense_layer calls in order: the same logits, bit for bit."""
+    from engine.models.loader import load_model
+    from engine.models.testing import PagedRunner, step_logits
+    stacked = load_model(DENSE, torch.float32, "cpu", cpu_kernels="native", quantization=quantization)[0]
+    one_by_one = load_model(DENSE, torch.float32, "cpu", cpu_kernels="native", quantization=quantization)[0]
+    one_by_one.native_stack = None
+    assert stacked.native_stack is not None
+    steps = [[(0, list(range(3, 20))), (1, list(range(5, 9)))], [(0, [7]), (1, [9, 4, 2])]]
+    with torch.inference_mode():
+        logits = [step_logits(model, PagedRunner(model.kv_layout(), torch.float32, max_requests=2, max_context=64),
+                              steps) for model in (stacked, one_by_one)]
+    assert torch.equal(*logits)

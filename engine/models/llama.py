@@ -142,7 +142,10 @@ class LlamaForCausalLM(CausalLM):
         rope = self.rotary(batch, x.dtype)
         wanted = set(self.aux_layer_ids) if capture_aux else set()
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        stack = self.native_stack
+        if stack is not None and not wanted and self.layers[0].self_attn.native_fits(x, batch):
+            x = stack(x, rope, batch)
+        for i, layer in enumerate(self.layers if stack is None or wanted else ()):
             if i in wanted:
                 captured[i] = x
             x = layer(x, rope, batch)
@@ -153,6 +156,28 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.project_to_vocab(hidden).float()
+
+    @functools.cached_property
+    def native_stack(self):
+        """Every layer in one native call (dense_layers), where every layer runs dense_layer with the
+        same scalars: the stream then runs the whole stack without the GIL, and the rank loop's
+        Python runs meanwhile instead of between layers. None: layer by layer."""
+        weights = [layer.native_weights for layer in self.layers]
+        if not weights or any(w is None for w in weights):
+            return None
+        scalars = {(w[2], *w[17:]) for w in weights}     # eps, qk_eps, heads, kv heads, head_dim, scale, int8 rows
+        if len(scalars) != 1:
+            return None
+        (eps, qk_eps, heads, kv_heads, head_dim, scale, int8_rows), = scalars
+        tensors = [[w[0], w[1], *w[3:17]] for w in weights]
+        kernels = self.layers[0].self_attn.kernels
+
+        def run(x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
+            seqs, kv = batch.layout, batch.kv
+            return kernels.dense_layers(x, rope.native(kernels, x.shape[0]), kv.k, kv.v, seqs.q_start, seqs.q_lens,
+                                        seqs.kv_lens, seqs.rows, seqs.table, tensors, eps, qk_eps, heads, kv_heads,
+                                        head_dim, scale, int8_rows)
+        return run
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
