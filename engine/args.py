@@ -94,6 +94,11 @@ class ServerArgs:
                                                    "frequent token ids (torch.save of a list or 1-D tensor, as SGLang "
                                                    "reads it); drafts come only from those tokens, and each draft step "
                                                    "reads only their LM head rows. Default: the whole vocabulary.")
+    speculative_draft_quantization: str = flag(
+        "auto", "Weight-only quantization of the draft model (EAGLE / EAGLE-3 head, standalone draft): int8, none, or "
+                "auto: int8 where the target runs the native CPU kernels, else as --quantization. The draft only "
+                "proposes and the target verifies, so the output does not change; only what is accepted may.",
+        ["auto", "none", "int8"])
     speculative_num_steps: int | None = flag(None, "Draft tokens proposed per step (chain length); default: "
                                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_NUM_STEPS.items()) + ".")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")

@@ -33,7 +33,7 @@ import torch
 from engine.models.attention import chain_step_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import SpecWorker, Verified
+from spec.base import SpecWorker, Verified, draft_quantization
 from spec.chains import Chain, greedy_chain, stack_chain, top_choice
 from spec.draft_graphs import EagleGraphs
 
@@ -44,9 +44,10 @@ class EagleWorker(SpecWorker):
     def __init__(self, args, target):
         super().__init__(args, target)
         dev = target.torch_device
+        self.draft_weights = draft_quantization(args, target)
         self.head, _ = load_draft(args.draft_model_path, target.model, target.dtype, dev,
                                   token_map=args.token_map_path, cpu_kernels=args.cpu_kernels,
-                                  quantization=args.quantization)
+                                  quantization=self.draft_weights)
         self.needs_aux = getattr(self.head, "aux_hidden_state_layer_ids", None) is not None
         rows, vocab = target.num_rows, target.vocab_size
         self.draft_first = torch.zeros(rows, dtype=torch.long, device=dev)

@@ -36,7 +36,7 @@ import torch
 from engine.models.attention import build_attention_batch, chain_step_batch
 from engine.models.loader import load_model
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
-from spec.base import SpecWorker, Verified
+from spec.base import SpecWorker, Verified, draft_quantization
 from spec.chains import Chain, TokenHistory, greedy_chain, stack_chain, top_choice
 from spec.draft_graphs import StandaloneGraphs
 
@@ -47,8 +47,9 @@ class StandaloneWorker(SpecWorker):
     def __init__(self, args, target):
         super().__init__(args, target)
         path = args.draft_model_path
+        self.draft_weights = draft_quantization(args, target)
         self.draft_model, config = load_model(path, target.dtype, target.torch_device, args.cpu_kernels,
-                                              args.quantization)
+                                              self.draft_weights)
         if config.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {path} has vocab_size {config.vocab_size}, the target "
                              f"{args.model_path} has {target.vocab_size}: a standalone draft must "

@@ -68,3 +68,33 @@ def test_int8_model_tracks_the_float_model(cpu_kernels_choice):
     kl = F.kl_div(int8_probs.log(), float_probs, reduction="batchmean")
     assert kl < 0.02, kl
     assert (logits[None].argmax(-1) == logits["int8"].argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], "int8"),                                                    # auto, native kernels: int8 drafts
+    (["--cpu-kernels", "torch"], None),                              # auto without them: as --quantization
+    (["--cpu-kernels", "torch", "--quantization", "int8"], "int8"),
+    (["--speculative-draft-quantization", "none"], None),
+    (["--cpu-kernels", "torch", "--speculative-draft-quantization", "int8"], "int8"),
+])
+@pytest.mark.parametrize("algorithm", ["eagle", "standalone"])
+def test_the_draft_model_is_quantized_as_the_flag_resolves(algorithm, flags, expected):
+    """--speculative-draft-quantization: what the worker resolves is what its draft model holds."""
+    if "--cpu-kernels" not in flags and cpu_kernels("auto") is None:
+        pytest.skip("the native CPU kernels did not build here")
+    from devices.cpu import CpuDevice
+    from engine.args import parse_args
+    from engine.rank import build_core
+    device = CpuDevice()
+    try:
+        core = build_core(parse_args(["--model-path", str(DENSE), "--speculative-algorithm", algorithm, *flags]),
+                          device, eos_ids=frozenset())
+        worker = core.runner.worker
+        draft = worker.head if algorithm == "eagle" else worker.draft_model
+        assert worker.draft_weights == expected
+        assert any(isinstance(m, Int8Linear) for m in draft.modules()) == (expected == "int8")
+        assert (getattr(draft, "lm_head_int8", None) is not None) == (expected == "int8")
+        target_int8 = any(isinstance(m, Int8Linear) for m in core.runner.model.modules())
+        assert target_int8 == ("--quantization" in flags)         # the target keeps its own setting
+    finally:
+        device.close()

@@ -87,6 +87,8 @@ def spec_flags(models: dict[str, Path], arch: str, algorithm: str, draft: str | 
     flags = ["--model-path", str(models[arch]), "--speculative-algorithm", algorithm]
     if algorithm == "standalone":
         flags += ["--speculative-draft-model-path", str(models[draft or f"{arch}-draft"])]
+        if draft == arch:       # the target as its own draft: the same weights, so not quantized either
+            flags += ["--speculative-draft-quantization", "none"]
     if algorithm == "eagle":
         flags += ["--speculative-draft-model-path", str(models[f"{arch}-eagle"])]
     return flags
