@@ -48,17 +48,24 @@ async def outputs(flags: list[str], params: list[SamplingParams]) -> tuple[list[
     async with engine(BASE + flags) as client:
         alone, _ = await asyncio.wait_for(collect(client, "alone", ids[0], params[0]), 120)
         together = await run_batch(client, ids, params, timeout=300)
-        stats = await reported_idle_steps(client) if "--dp-size" in flags else client.rank_stats()
+        stats = await reported_after_the_run(client) if "--dp-size" in flags else client.rank_stats()
     return [alone] + [tokens for tokens, _ in together], stats
 
 
-async def reported_idle_steps(client, seconds: float = 5.0) -> list:
-    """The ranks' stats once some rank has reported an idle step: ranks report every STATS_INTERVAL
-    (0.5 s), so a run shorter than that may end before the last report (bounded wait)."""
+async def reported_after_the_run(client, seconds: float = 5.0) -> list:
+    """The ranks' stats from reports made after the run: a rank reports every STATS_INTERVAL (0.5 s),
+    and a report received after the last answer may have been made just before it, so wait (bounded)
+    until every rank's report has been replaced twice."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
-    while sum(s.dp_idle_steps for s in client.rank_stats()) == 0 and loop.time() < deadline:
-        await asyncio.sleep(0.1)
+    last = {link.rank: link.stats for link in client.links}
+    replaced = dict.fromkeys(last, 0)
+    while loop.time() < deadline and min(replaced.values()) < 2:
+        await asyncio.sleep(0.05)
+        for link in client.links:
+            if link.stats is not last[link.rank]:
+                last[link.rank] = link.stats
+                replaced[link.rank] += 1
     return client.rank_stats()
 
 
