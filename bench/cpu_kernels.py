@@ -1,8 +1,8 @@
 """One model forward on the CPU, in-process, on each path: pure torch, the native kernels, and the
 native kernels with int8 weights, and the native kernels with one part undone for a side-by-side
-measure of it (a dense model: its layers called one by one instead of in one call; an MoE model:
-its experts through the grouped Python loop instead of one call); for decodes, verify-like runs
-and prompts.
+measure of it (float products through torch instead of the native few-row product; a dense model:
+its layers called one by one instead of in one call; an MoE model: its experts through the grouped
+Python loop instead of one call); for decodes, verify-like runs and prompts.
 
     python bench/cpu_kernels.py --threads 2 [--model models/tandem-dense] [--rounds 2]
 
@@ -30,6 +30,7 @@ PATHS = {"torch": {"cpu_kernels": "torch"}, "native": {"cpu_kernels": "native"},
          "native-int8": {"cpu_kernels": "native", "quantization": "int8"}}
 EXPERT_LOOP = "native-expert-loop"          # MoE models
 PER_LAYER = "native-per-layer"              # dense models
+TORCH_PRODUCTS = "native-torch-products"    # float products through torch (kernels.set_native_float_products)
 DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q)
 PROMPTS = [64, 512]
 
@@ -45,6 +46,18 @@ def load(path: str, dtype: str, name: str):
     if name == PER_LAYER:
         model.native_stack = None
     return model
+
+
+def measure(run, model, name: str) -> float:
+    """run(model), with the native float products off for TORCH_PRODUCTS (a process-wide switch)."""
+    kernels = getattr(model, "kernels", None)
+    if kernels is None or name != TORCH_PRODUCTS:
+        return run(model)
+    kernels.set_native_float_products(False)
+    try:
+        return run(model)
+    finally:
+        kernels.set_native_float_products(True)
 
 
 def is_moe(path: str) -> bool:
@@ -94,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    paths = list(PATHS) + [EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
+    paths = list(PATHS) + [TORCH_PRODUCTS, EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
     models = {(f"{name} {dtype}" if len(dtypes) > 1 else name): load(args.model, dtype, name)
               for dtype in dtypes for name in paths}
     columns = list(models)
@@ -109,7 +122,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {name: [] for name in columns}
         for round_ in range(args.rounds):
             for name in columns if round_ % 2 == 0 else reversed(columns):
-                samples[name].append(run(models[name]))
+                samples[name].append(measure(run, models[name], name))
         ms = {name: statistics.median(values) for name, values in samples.items()}
         print(f"{label:>18}" + "".join(f"{ms[c]:{width}.2f}" for c in columns)
               + "".join(f"{ms[c] / ms[columns[0]]:{width}.2f}" for c in columns[1:]), flush=True)

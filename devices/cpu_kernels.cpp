@@ -4,7 +4,9 @@
 // (no gather of the keys into a padded batch, no mask tensor).
 //
 // Each is one call from Python where the pure-torch path (engine/models/layers.py) runs 5-20
-// small operators; the matrix products stay with torch (oneDNN/MKL). Loaded by
+// small operators. The matrix products of a few rows (decode, verify, draft steps) run here too,
+// float32 (float_linear) and weight-only int8 (int8_linear), where reading the weights is the cost;
+// larger ones stay with torch (oneDNN/MKL). Loaded by
 // devices/cpu_native.py, which falls back to the pure-torch path when this does not build.
 //
 // Layout (engine/models/attention.py: SeqLayout): sequence b owns tokens q_start[b] ..
@@ -14,6 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -505,11 +508,97 @@ at::Tensor int8_dequantize(const at::Tensor& packed, const at::Tensor& scale, at
   return out;
 }
 
+// y [M, N] = x [M, K] @ W^T (+ bias) for a float32 weight W [N, K] and a few rows of x (decode,
+// verify, draft steps): reading W is the cost, and torch's product reads it at a fraction of the
+// memory bandwidth there (MKL's small-M path: bench/cpu_linear.py). Eight rows of W stream side by
+// side, each against one or two rows of x at a time in 16-float vectors (AVX-512 where the build has
+// it, two AVX2 halves otherwise); a block of W is read from memory once for all rows of x. Each
+// output is the same sum in the same order whatever the number of rows: a row's logits do not
+// depend on the batch it came in.
+constexpr int64_t FLOAT_LINEAR_MAX_ROWS = 64;      // above: torch's compute-bound product
+constexpr int64_t FLOAT_BLOCK = 8;                 // rows of W a block
+typedef float Vec16 __attribute__((vector_size(64)));
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float sum16(Vec16 v) {       // a fixed order: the same result for every row count
+  float lanes[16];
+  std::memcpy(lanes, &v, sizeof(lanes));
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += lanes[i];
+  return s;
+}
+
+template <int R>
+void float_block(const float* x, int64_t k_dim, const float* w, int64_t nb, const float* bias, float* y,
+                 int64_t n_dim) {
+  Vec16 acc[R][FLOAT_BLOCK] = {};
+  int64_t k = 0;
+  for (; k + 16 <= k_dim; k += 16) {
+    Vec16 wv[FLOAT_BLOCK];
+    for (int64_t j = 0; j < FLOAT_BLOCK; ++j) wv[j] = j < nb ? load16(w + j * k_dim + k) : Vec16{};
+    for (int r = 0; r < R; ++r) {
+      const Vec16 xv = load16(x + r * k_dim + k);
+      for (int64_t j = 0; j < FLOAT_BLOCK; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < nb; ++j) {
+      float s = sum16(acc[r][j]);
+      for (int64_t kk = k; kk < k_dim; ++kk) s += x[r * k_dim + kk] * w[j * k_dim + kk];
+      y[r * n_dim + j] = bias ? s + bias[j] : s;
+    }
+  }
+}
+
+// Off: every float product through torch (bench/cpu_kernels.py measures both side by side).
+std::atomic<bool> float_products_enabled{true};
+
+void set_native_float_products(bool enabled) { float_products_enabled = enabled; }
+
+bool native_float_linear(const at::Tensor& x, const at::Tensor& weight) {
+  return float_products_enabled && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
+         weight.is_contiguous() && x.size(-1) == weight.size(1) && x.numel() / weight.size(1) <= FLOAT_LINEAR_MAX_ROWS;
+}
+
+// torch's product, or the few-row one above where it applies.
+at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  if (!native_float_linear(x_in, weight) || (bias && (bias->scalar_type() != at::kFloat || bias->numel() != weight.size(0))))
+    return at::linear(x_in, weight, bias);
+  const int64_t k_dim = weight.size(1), n_dim = weight.size(0);
+  const auto x = x_in.reshape({-1, k_dim}).contiguous();
+  const int64_t rows = x.size(0);
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = n_dim;
+  auto y = at::empty({rows, n_dim}, x.options());
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (n_dim + FLOAT_BLOCK - 1) / FLOAT_BLOCK;
+  at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * FLOAT_BLOCK, nb = std::min(FLOAT_BLOCK, n_dim - n0);
+      const float* wb = wp + n0 * k_dim;
+      const float* bb = bp ? bp + n0 : nullptr;
+      int64_t m = 0;
+      for (; m + 2 <= rows; m += 2) float_block<2>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim);
+      for (; m < rows; ++m) float_block<1>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim);
+    }
+  });
+  return y.view(out_shape);
+}
+
 // A linear layer as the model holds it: a float weight [N, K] (torch's product), or a packed int8
 // weight with its scales (int8_linear for a few rows, else the dequantized weight through torch).
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         const c10::optional<at::Tensor>& scale, int64_t int8_max_rows) {
-  if (!scale) return at::linear(x, weight, bias);
+  if (!scale) return float_linear(x, weight, bias);
   if (x.numel() / x.size(-1) <= int8_max_rows) return int8_linear(x, weight, *scale, bias);
   return at::linear(x, int8_dequantize(weight, *scale, x.scalar_type()), bias);
 }
@@ -562,7 +651,7 @@ at::Tensor dense_layers(const at::Tensor& x_in, const at::Tensor& rope, std::vec
 
 // The experts of a sparse MoE block (engine/models/moe.py: StackedExperts) in one call: for each held
 // expert e (ids first .. first + E - 1) with routed pairs, its tokens' rows run gate_up[e], SwiGLU and
-// down[e] (torch's products), and out[t] = sum over t's pairs, in expert order, of weight * output,
+// down[e] (float_linear's products), and out[t] = sum over t's pairs, in expert order, of weight * output,
 // each product and sum rounded to the dtype: what the grouped pure-torch path computes with one
 // Python iteration and some ten operators per expert.
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids_in, const at::Tensor& weights_in,
@@ -593,7 +682,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids_in, 
     for (size_t j = 0; j < routed.size(); ++j) rows[j] = routed[j] / top_k;
     const at::Tensor inputs = rows.size() == 1 ? x.narrow(0, rows[0], 1)
                                                : x.index_select(0, at::tensor(rows, x.options().dtype(at::kLong)));
-    const at::Tensor y = at::linear(silu_mul(at::linear(inputs, gate_up[e])), down[e]).contiguous();
+    const at::Tensor y = float_linear(silu_mul(float_linear(inputs, gate_up[e], {})), down[e], {}).contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
       const auto* yp = y.data_ptr<scalar_t>();
       auto* op = out.data_ptr<scalar_t>();
@@ -621,6 +710,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))", release);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a stacked [T, 2I] gate|up", release);
   m.def("int8_linear", &int8_linear, "weight-only int8 linear, per-output-channel scales", release);
+  m.def("linear", &float_linear, "x @ W^T (+ b): a few float32 rows natively, else torch's product", release);
+  m.attr("FLOAT_LINEAR_MAX_ROWS") = FLOAT_LINEAR_MAX_ROWS;
+  m.def("set_native_float_products", &set_native_float_products, "off: float products through torch (benchmarks)");
   m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix", release);
   m.def("dense_layer", &dense_layer, "a dense decoder layer: norms, products, attention, SwiGLU", release);
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention", release);

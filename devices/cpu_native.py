@@ -74,10 +74,12 @@ def describe_cpu_path(model) -> str:
     """The start-up log's line: which path the layers run, and what the CPU offers."""
     import torch
 
-    native = any(getattr(m, "kernels", None) is not None for m in model.modules())
-    path = f"native kernels ({BUILD_DIR})" if native else "pure torch"
+    kernels = next((m.kernels for m in model.modules() if getattr(m, "kernels", None) is not None), None)
     features = ", ".join(cpu_features()) or "no AVX2"
-    return f"{path} for norms, SwiGLU and attention; torch {torch.__version__} products; CPU features: {features}"
+    if kernels is None:
+        return f"pure torch; torch {torch.__version__} products; CPU features: {features}"
+    return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and float32 products of up to "
+            f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above; CPU features: {features}")
 
 
 @functools.cache

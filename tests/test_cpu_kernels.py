@@ -39,6 +39,25 @@ def test_norms_and_swiglu_match_torch(dtype):
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64, 65, 130])
+@pytest.mark.parametrize("out_features,in_features", [(256, 768), (37, 70)])   # ragged: blocks and vector tails
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_native_float_product_matches_torch_and_does_not_depend_on_the_batch(rows, out_features, in_features,
+                                                                                 bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    y = kernels.linear(x, weight, b)
+    torch.testing.assert_close(y, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    if rows <= kernels.FLOAT_LINEAR_MAX_ROWS:      # each row alone: the same sum in the same order, bit for bit
+        alone = torch.cat([kernels.linear(x[i:i + 1], weight, b) for i in range(rows)])
+        assert torch.equal(y, alone)
+    assert kernels.linear(x.view(1, rows, in_features), weight, b).shape == (1, rows, out_features)
+    half = kernels.linear(x.bfloat16(), weight.bfloat16(), None)            # other dtypes: torch's product
+    torch.testing.assert_close(half, F.linear(x.bfloat16(), weight.bfloat16()), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 @pytest.mark.parametrize("held", [(0, 8), (2, 5)], ids=["all-experts", "expert-parallel-share"])

@@ -26,12 +26,17 @@ class ModelOutput(NamedTuple):
 
 class VocabProjection:
     """The LM head's product, through the submodule `lm_head_int8` when the model is quantized
-    (engine/models/quant.py: quantize_lm_head)."""
+    (engine/models/quant.py: quantize_lm_head), else through the native CPU kernels' `linear` when
+    the model runs them (a few float32 rows natively, else torch's product)."""
+
+    kernels = None          # the native CPU kernels, when the model runs them (use_cpu_kernels)
 
     def project_to_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         quantized = self._modules.get("lm_head_int8")
         if quantized is not None:
             return quantized(hidden)
+        if self.kernels is not None:
+            return self.kernels.linear(hidden, self.lm_head_weight(), None)
         return F.linear(hidden, self.lm_head_weight())
 
 

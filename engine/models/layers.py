@@ -44,11 +44,12 @@ def check_dense_attention(config) -> None:
 def use_cpu_kernels(model: nn.Module, kernels) -> None:
     """Run the model's norms, SwiGLU and attention through the native CPU kernels
     (devices/cpu_native.py); None: the pure-torch path. Both compute the same function."""
+    from engine.models.base import VocabProjection
     from engine.models.moe import StackedExperts
     from engine.models.quant import Int8Linear
 
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts)):
+        if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts, VocabProjection)):
             module.kernels = kernels
 
 
