@@ -86,6 +86,8 @@ def start_llama_server(args, binary: Path, gguf: Path, log_dir: Path) -> compare
     slots = max(args.max_concurrency)
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
                "--threads", str(args.threads), "--ctx-size", str(slots * args.slot_context), "--no-webui"]
+    if args.llama_prompt_cache == "off":        # Tandem keeps no prompt prefix across requests: like for like
+        command += ["--no-cache-prompt", "--cache-ram", "0"]
     spec = compare.ServerSpec(f"llama.cpp-{args.outtype}", tuple(command[1:]), WORKING_TREE)
     log_path = log_dir / f"{spec.name}.log"
     with open(log_path, "w") as log:
@@ -124,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gguf-dir", default=str(Path(tempfile.gettempdir()) / "tandem-gguf"),
                         help="Where converted models are kept.")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server --threads.")
+    parser.add_argument("--llama-prompt-cache", choices=("off", "on"), default="off",
+                        help="llama-server's prompt cache (its default: on). Off: every request prefills its whole "
+                             "prompt, as on Tandem, which keeps no prefix across requests; on: the workload's prompts, "
+                             "repeated every round, are prefilled once.")
     parser.add_argument("--slot-context", type=int, default=2048, help="Context of each llama-server slot.")
     parser.add_argument("--config", action="append", type=compare.parse_config, metavar="NAME=FLAGS",
                         help="A Tandem configuration (repeat; default: none=--speculative-algorithm none).")

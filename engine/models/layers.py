@@ -49,8 +49,25 @@ def use_cpu_kernels(model: nn.Module, kernels) -> None:
     from engine.models.quant import Int8Linear
 
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts, VocabProjection)):
+        if type(module) is nn.Linear and kernels is not None:
+            module.__class__ = NativeLinear          # the same module and parameters, the native product
+        if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts, VocabProjection,
+                               NativeLinear)):
             module.kernels = kernels
+
+
+class NativeLinear(nn.Linear):
+    """An nn.Linear whose product runs through the native CPU kernels' `linear`: a few float32 rows
+    (decode, verify, draft steps) natively, else torch's product. use_cpu_kernels turns a model's
+    nn.Linear modules into these; the layers that run in one native call (dense_layer) read their
+    weights directly."""
+
+    kernels = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
