@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from devices import cpu_native
 from engine.models.attention import KVCache, build_attention_batch, chain_step_batch, paged_attention
-from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.layers import NativeLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from tests.server_harness import DENSE
 
 kernels = cpu_native.cpu_kernels("auto")
@@ -207,6 +207,12 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
     for choice in ("torch", "native"):
         model, _ = load_model(DENSE.parent / name, dtype, "cpu", cpu_kernels=choice)
         assert (model.layers[0].self_attn.kernels is None) == (choice == "torch")
+        # every nn.Linear left (MoE attention, router) takes the native product; the log says which path runs
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all((type(m) is NativeLinear) == (choice == "native") for m in linears)
+        described = cpu_native.describe_cpu_path(model)
+        assert described.startswith("pure torch") if choice == "torch" else \
+            f"float32 products of up to {kernels.FLOAT_LINEAR_MAX_ROWS} rows" in described
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)
         steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]
