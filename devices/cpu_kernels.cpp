@@ -594,7 +594,7 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
   return y.view(out_shape);
 }
 
-// A linear layer as the model holds it: a float weight [N, K] (torch's product), or a packed int8
+// A linear layer as the model holds it: a float weight [N, K] (float_linear), or a packed int8
 // weight with its scales (int8_linear for a few rows, else the dequantized weight through torch).
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         const c10::optional<at::Tensor>& scale, int64_t int8_max_rows) {

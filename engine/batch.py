@@ -32,6 +32,7 @@ class SpecPlan:
     draft_lag: list[int] = field(default_factory=list)    # decode: tokens each request's draft has not read
     draft_next: list[int] = field(default_factory=list)   # prefill: the token after each chunk (-1: sampled)
     draft_skip: bool = False    # prefill: the draft model does not read these chunks (under load)
+    no_decode: bool = False     # prefill: no request of it decodes here (each ends with its first token)
 
 
 @dataclass

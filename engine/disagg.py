@@ -86,6 +86,9 @@ class PrefillExporter:
         core.launch_observers.append(self.export_chunks)
 
     def add(self, rid: str) -> None:
+        """Export the prefill of `rid` (just added to the scheduler): its KV, the draft's too, and its
+        first token leave for a decode node."""
+        self.core.scheduler.requests[rid].exported = True
         self.rids.add(rid)
         self.started[rid] = time.perf_counter()
 

@@ -54,6 +54,7 @@ class ModelRunner:
                              generator=torch.Generator(device=dev).manual_seed(args.random_seed))
         self.futures = FutureMap(future_slots, dev)
         self.faults = FaultInjector.from_env()      # a test hook; None unless TANDEM_FAULT_INJECT is set
+        self.dp_attention = dp is not None
         settings = graph_settings(device.name, args.disable_cuda_graph, args.enable_cpu_graph, args.cuda_graph_bs,
                                   args.cuda_graph_max_bs, args.max_running_requests, dev)
         self.target.graphs = TargetGraphs(settings, self.target, args.num_steps, dp) if settings else None
@@ -149,7 +150,8 @@ class ModelRunner:
         if plan is None:
             return None
         return SpecInputs(decode=plan.decode, chain=plan.chain, draft_lag=long_tensor(plan.draft_lag),
-                          draft_next=long_tensor(plan.draft_next), draft_skip=plan.draft_skip)
+                          draft_next=long_tensor(plan.draft_next), draft_skip=plan.draft_skip,
+                          no_decode=plan.no_decode)
 
     def graph_shape(self, batch: ScheduledBatch | None) -> GraphShape | None:
         """The captured graph the batch's target forward could replay (None: it runs eagerly): a
@@ -219,14 +221,20 @@ class ModelRunner:
                                      inp.max_q, inp.max_kv, self.kv, groups=groups)
         out = self.model(input_ids, attn, capture_aux=self.worker is not None and self.worker.needs_aux)
         if inp.sample_rows.numel() == 0:
-            if self.worker:
+            if self.drafts_prompt(inp):
                 self.worker.after_prefill(inp, input_ids, attn, out, input_ids[:0])
             return StepResult()
         logits = self.model.compute_logits(out.hidden[put(inp.sample_rows)])
         result, tokens = self.sample_rows(inp, logits)
-        if self.worker:       # the first tokens go out while the draft reads the prompt
+        if self.drafts_prompt(inp):       # the first tokens go out while the draft reads the prompt
             return Deferred(result, lambda: self.worker.after_prefill(inp, input_ids, attn, out, tokens))
         return result
+
+    def drafts_prompt(self, inp: StepInputs) -> bool:
+        """Does the speculative worker read this prefill batch? Not when none of its requests decodes
+        here (SpecPlan.no_decode), except under DP attention: there every rank makes the same model
+        calls a step, whatever its rows need."""
+        return self.worker is not None and not (inp.spec.no_decode and not self.dp_attention)
 
     def sample_rows(self, inp: StepInputs, logits: torch.Tensor) -> tuple[StepResult, torch.Tensor]:
         """A token from each sampling sequence's logits, stored in its future: the result and the tokens."""

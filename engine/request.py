@@ -52,6 +52,7 @@ class Request:
         self.matched_stop: int | None = None
         self.sent = 0                 # outputs already sent to the front
         self.retractions = 0
+        self.exported = False         # prefilled here for a decode node (PrefillExporter.add): its KV leaves
 
     @property
     def all_ids(self) -> list[int]:

@@ -29,6 +29,7 @@ class SpecInputs:
     draft_lag: torch.Tensor       # decode: tokens each request's draft model has not read yet
     draft_next: torch.Tensor      # prefill: the token after each chunk (-1: the sampled one)
     draft_skip: bool = False      # prefill: the draft model does not read this batch
+    no_decode: bool = False       # prefill: no request of it decodes here; the draft need not read it
     trim: bool = True             # decode: rows may verify fewer drafts where the device reads for free
 
 

@@ -72,6 +72,40 @@ async def uninterrupted(flags: list[str], prompt: list[int], params: SamplingPar
         engine.close()
 
 
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "standalone", "ngram"])
+async def test_the_draft_reads_no_prompt_that_ends_with_its_first_token(algorithm, prompts):
+    """max_tokens 1: the first token is all a request gets, so its prefill is not followed by the
+    speculative worker's pass over the prompt (which would hold up the batch behind it); an exported
+    request (a prefill node's, whose draft KV leaves with it) and one that decodes still get theirs;
+    the outputs are plain decoding's."""
+    engine = Engine(BASE + ALGORITHMS[algorithm])
+    worker, read = engine.core.runner.worker, []
+    after_prefill = worker.after_prefill
+
+    def counted(inp, *rest):
+        read.append(int(inp.q_lens.sum()))
+        return after_prefill(inp, *rest)
+    worker.after_prefill = counted
+    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    try:
+        alone = engine.add("one", prompts[0], one)
+        await engine.finish()
+        engine.device.synchronize()            # the draft's pass runs after the first token is out
+        assert read == [] and len(alone.output_ids) == 1
+        engine.add("exported", prompts[0], one).exported = True       # as PrefillExporter.add marks it
+        await engine.finish()
+        engine.device.synchronize()
+        assert sum(read) == len(prompts[0])
+        decoding = engine.add("decoding", prompts[1], GREEDY)
+        await engine.finish()
+        assert sum(read) == len(prompts[0]) + len(prompts[1])
+    finally:
+        engine.close()
+    plain_first, _ = await uninterrupted(BASE + ALGORITHMS["none"], prompts[0], one)
+    plain, _ = await uninterrupted(BASE + ALGORITHMS["none"], prompts[1], GREEDY)
+    assert alone.output_ids == plain_first and decoding.output_ids == plain
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 async def test_an_exported_request_continues_exactly_on_another_engine(algorithm, params, prompts):
