@@ -17,7 +17,7 @@ from torch import nn
 
 QUANTIZATIONS = ("int8",)
 PACK = 64                       # output channels side by side in the packed layout (the kernel's PACK)
-NATIVE_MAX_ROWS = 32            # above this many rows the dequantized product is as fast or faster
+NATIVE_MAX_ROWS = 64            # above: the dequantized product is faster (64 rows 11.1 vs 15.9 ms, 96: 14.7 vs 12.2)
 
 
 def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
