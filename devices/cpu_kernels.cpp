@@ -560,15 +560,16 @@ std::atomic<bool> float_products_enabled{true};
 
 void set_native_float_products(bool enabled) { float_products_enabled = enabled; }
 
-bool native_float_linear(const at::Tensor& x, const at::Tensor& weight) {
-  return float_products_enabled && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
-         weight.is_contiguous() && x.size(-1) == weight.size(1) && x.numel() / weight.size(1) <= FLOAT_LINEAR_MAX_ROWS;
+bool native_float_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return float_products_enabled && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+         weight.dim() == 2 && weight.is_contiguous() && x.size(-1) == weight.size(1) &&
+         x.numel() / weight.size(1) <= FLOAT_LINEAR_MAX_ROWS &&
+         (!bias || (bias->scalar_type() == at::kFloat && bias->numel() == weight.size(0)));
 }
 
 // torch's product, or the few-row one above where it applies.
 at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  if (!native_float_linear(x_in, weight) || (bias && (bias->scalar_type() != at::kFloat || bias->numel() != weight.size(0))))
-    return at::linear(x_in, weight, bias);
+  if (!native_float_linear(x_in, weight, bias)) return at::linear(x_in, weight, bias);
   const int64_t k_dim = weight.size(1), n_dim = weight.size(0);
   const auto x = x_in.reshape({-1, k_dim}).contiguous();
   const int64_t rows = x.size(0);

@@ -234,7 +234,7 @@ class ModelRunner:
         """Does the speculative worker read this prefill batch? Not when none of its requests decodes
         here (SpecPlan.no_decode), except under DP attention: there every rank makes the same model
         calls a step, whatever its rows need."""
-        return self.worker is not None and not (inp.spec.no_decode and not self.dp_attention)
+        return self.worker is not None and (self.dp_attention or not inp.spec.no_decode)
 
     def sample_rows(self, inp: StepInputs, logits: torch.Tensor) -> tuple[StepResult, torch.Tensor]:
         """A token from each sampling sequence's logits, stored in its future: the result and the tokens."""

@@ -157,8 +157,9 @@ class SpeculativeDecoding(DecodePolicy):
         skip = self.catches_up and off > 0 and (
             len(sched.running) >= off or any(seq.req.decode.draft_end < seq.start for seq in batch.seqs))
         batch.spec.draft_skip = skip
-        # Requests that end with their first token (max_tokens 1, not exported) never draft: the
-        # draft's pass over their prompts would only hold up the batch behind.
+        # Requests that end with their first token (max_tokens 1, not exported) never get a decode
+        # step (tokens_wanted is 0 once the prefill is in flight): the draft's pass over their prompts
+        # would only hold up the batch behind.
         batch.spec.no_decode = all(seq.req.params.max_new_tokens <= 1 and not seq.req.exported for seq in batch.seqs)
         for seq in batch.seqs:
             record, end = seq.req.decode, seq.start + seq.q_len
