@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,26 @@ MOE = REPO / "models" / "tandem-moe"
 START_TIMEOUT_S = 180
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
+    """A port P with P .. P + span - 1 free, drawn below the kernel's ephemeral range: a port the kernel
+    hands out (bind to 0) is free again once closed, and any outgoing connection (a rank's, gloo's) may
+    be given it before the server binds it; a port below the range is only ever taken by a bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low - span)
+        if all(bindable(port + i) for i in range(span)):
+            return port
+    raise RuntimeError(f"no {span} free consecutive ports below {low}")
+
+
+def bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class Server:
