@@ -31,6 +31,7 @@ PATHS = {"torch": {"cpu_kernels": "torch"}, "native": {"cpu_kernels": "native"},
 EXPERT_LOOP = "native-expert-loop"          # MoE models
 PER_LAYER = "native-per-layer"              # dense models
 TORCH_PRODUCTS = "native-torch-products"    # float products through torch (kernels.set_native_float_products)
+NO_PREFETCH = "native-no-prefetch"          # float products fetching no block ahead (kernels.set_float_prefetch)
 DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q)
 PROMPTS = [64, 512]
 
@@ -49,15 +50,17 @@ def load(path: str, dtype: str, name: str):
 
 
 def measure(run, model, name: str) -> float:
-    """run(model), with the native float products off for TORCH_PRODUCTS (a process-wide switch)."""
+    """run(model), with the native float products off for TORCH_PRODUCTS and their fetching ahead
+    off for NO_PREFETCH (process-wide switches)."""
     kernels = getattr(model, "kernels", None)
-    if kernels is None or name != TORCH_PRODUCTS:
+    switch = {TORCH_PRODUCTS: "set_native_float_products", NO_PREFETCH: "set_float_prefetch"}.get(name)
+    if kernels is None or switch is None:
         return run(model)
-    kernels.set_native_float_products(False)
+    getattr(kernels, switch)(False)
     try:
         return run(model)
     finally:
-        kernels.set_native_float_products(True)
+        getattr(kernels, switch)(True)
 
 
 def is_moe(path: str) -> bool:
@@ -107,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    paths = list(PATHS) + [TORCH_PRODUCTS, EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
+    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
     models = {(f"{name} {dtype}" if len(dtypes) > 1 else name): load(args.model, dtype, name)
               for dtype in dtypes for name in paths}
     columns = list(models)

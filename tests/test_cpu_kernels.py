@@ -53,6 +53,11 @@ def test_the_native_float_product_matches_torch_and_does_not_depend_on_the_batch
     if rows <= kernels.FLOAT_LINEAR_MAX_ROWS:      # each row alone: the same sum in the same order, bit for bit
         alone = torch.cat([kernels.linear(x[i:i + 1], weight, b) for i in range(rows)])
         assert torch.equal(y, alone)
+    kernels.set_float_prefetch(False)         # fetching ahead reads the same numbers
+    try:
+        assert torch.equal(kernels.linear(x, weight, b), y)
+    finally:
+        kernels.set_float_prefetch(True)
     assert kernels.linear(x.view(1, rows, in_features), weight, b).shape == (1, rows, out_features)
     half = kernels.linear(x.bfloat16(), weight.bfloat16(), None)            # other dtypes: torch's product
     torch.testing.assert_close(half, F.linear(x.bfloat16(), weight.bfloat16()), atol=0, rtol=0)

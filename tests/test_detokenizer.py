@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopStringMatcher, TokenTexts
+from server.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopStringMatcher, TokenTexts, direct_decoder
 from tests.fake_engine import build_test_tokenizer, byte_token_ids
 
 MULTIBYTE = "héllo 😀 世界 — ok 👍🏽"
@@ -53,6 +53,22 @@ def test_special_tokens_skipped_by_default(tokenizer):
     assert "".join(stream(IncrementalDetokenizer(tokenizer), ids)) == "Hello"
     kept = "".join(stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=False), ids))
     assert kept == "Hello" + tokenizer.eos_token
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_direct_decoder_gives_the_tokenizers_text(skip):
+    from transformers import AutoTokenizer
+
+    from tests.server_harness import DENSE
+
+    tok = AutoTokenizer.from_pretrained(DENSE)
+    decode = direct_decoder(tok)
+    assert decode == tok.backend_tokenizer.decode           # the embedded tokenizer takes the fast path
+    ids = tok.encode("def f(x):\n    return x  # héllo 😀 <|im_end|>") + [tok.eos_token_id, 5, 4095]
+    windows = [ids[i:j] for i in range(len(ids)) for j in range(i + 1, min(len(ids), i + 7) + 1)]
+    assert all(decode(w, skip_special_tokens=skip) == tok.decode(w, skip_special_tokens=skip) for w in windows)
+    tok.clean_up_tokenization_spaces = True                 # the wrapper's clean-up: its own decode
+    assert direct_decoder(tok) == tok.decode
 
 
 def test_unfinished_character_at_the_end_is_released_on_flush(tokenizer):
