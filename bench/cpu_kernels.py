@@ -1,6 +1,7 @@
 """One model forward on the CPU, in-process, on each path: pure torch, the native kernels, and the
 native kernels with int8 weights, and the native kernels with one part undone for a side-by-side
-measure of it (float products through torch instead of the native few-row product; a dense model:
+measure of it (float products through torch instead of the native few-row product; the native
+float products fetching no weight block ahead; a dense model:
 its layers called one by one instead of in one call; an MoE model: its experts through the grouped
 Python loop instead of one call); for decodes, verify-like runs and prompts.
 
