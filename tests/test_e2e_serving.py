@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -94,6 +95,32 @@ async def test_openai_sdk_streams_chat_and_completions(default_server):
     pieces = [c.choices[0].delta.content or "" async for c in chat if c.choices]
     assert len(pieces) >= 2
     await client.close()
+
+
+def test_the_front_maps_no_torch(default_server):
+    """The front tokenizes and streams; torch lives in the ranks only (server/launch.py: load_tokenizer)."""
+    maps = Path(f"/proc/{default_server.process.pid}/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc")
+    assert "libtorch" not in maps.read_text()
+    ranks = default_server.rank_pids()
+    assert ranks and all("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in ranks)
+
+
+def test_the_plain_fast_tokenizer_is_what_autotokenizer_gives(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.args import parse_args
+    from server.launch import load_tokenizer
+    plain = load_tokenizer(parse_args(["--model-path", str(DENSE)]))
+    assert type(plain) is PreTrainedTokenizerFast
+    text = "def f(x):\n    return x  # héllo 😀"
+    chat = [{"role": "user", "content": text}]
+    assert plain.encode(text) == tokenizer.encode(text)
+    assert plain.decode(tokenizer.encode(text)) == tokenizer.decode(tokenizer.encode(text))
+    assert plain.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (plain.eos_token_id, plain.all_special_ids) == (tokenizer.eos_token_id, tokenizer.all_special_ids)
 
 
 async def test_sse_framing_on_raw_bytes(default_server):
