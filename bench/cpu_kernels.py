@@ -126,7 +126,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {name: [] for name in columns}
         for round_ in range(args.rounds):
             for name in columns if round_ % 2 == 0 else reversed(columns):
-                samples[name].append(measure(run, models[name], name))
+                samples[name].append(measure(run, models[name], name.split()[0]))
         ms = {name: statistics.median(values) for name, values in samples.items()}
         print(f"{label:>18}" + "".join(f"{ms[c]:{width}.2f}" for c in columns)
               + "".join(f"{ms[c] / ms[columns[0]]:{width}.2f}" for c in columns[1:]), flush=True)
