@@ -78,7 +78,8 @@ def describe_cpu_path(model) -> str:
     features = ", ".join(cpu_features()) or "no AVX2"
     if kernels is None:
         return f"pure torch; torch {torch.__version__} products; CPU features: {features}"
-    return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and float32 products of up to "
+    dtypes = "float32 and bfloat16" if kernels.HAS_BF16_PRODUCT else "float32"
+    return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
             f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above; CPU features: {features}")
 
 

@@ -39,17 +39,27 @@ def test_norms_and_swiglu_match_torch(dtype):
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
 
 
+NATIVE_PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if kernels is not None and kernels.HAS_BF16_PRODUCT else [])
+
+
+@pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(256, 768), (37, 70)])   # ragged: blocks and vector tails
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_native_float_product_matches_torch_and_does_not_depend_on_the_batch(rows, out_features, in_features,
-                                                                                 bias):
+def test_the_native_product_matches_torch_and_does_not_depend_on_the_batch(rows, out_features, in_features, bias,
+                                                                           dtype):
+    """float32, and bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16)."""
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
-    b = torch.randn(out_features, generator=gen) if bias else None
-    x = torch.randn(rows, in_features, generator=gen)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
     y = kernels.linear(x, weight, b)
-    torch.testing.assert_close(y, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    assert y.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    else:       # the float32 sum of the same bf16 numbers, rounded to bf16 once: within one bf16 step
+        exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        torch.testing.assert_close(y.float(), exact, atol=1e-2, rtol=8e-3)
     if rows <= kernels.FLOAT_LINEAR_MAX_ROWS:      # each row alone: the same sum in the same order, bit for bit
         alone = torch.cat([kernels.linear(x[i:i + 1], weight, b) for i in range(rows)])
         assert torch.equal(y, alone)
@@ -59,8 +69,8 @@ def test_the_native_float_product_matches_torch_and_does_not_depend_on_the_batch
     finally:
         kernels.set_float_prefetch(True)
     assert kernels.linear(x.view(1, rows, in_features), weight, b).shape == (1, rows, out_features)
-    half = kernels.linear(x.bfloat16(), weight.bfloat16(), None)            # other dtypes: torch's product
-    torch.testing.assert_close(half, F.linear(x.bfloat16(), weight.bfloat16()), atol=0, rtol=0)
+    half = kernels.linear(x.half(), weight.half(), None)            # other dtypes: torch's product
+    torch.testing.assert_close(half, F.linear(x.half(), weight.half()), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -217,7 +227,8 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
         assert all((type(m) is NativeLinear) == (choice == "native") for m in linears)
         described = cpu_native.describe_cpu_path(model)
         assert described.startswith("pure torch") if choice == "torch" else \
-            f"float32 products of up to {kernels.FLOAT_LINEAR_MAX_ROWS} rows" in described
+            f"products of up to {kernels.FLOAT_LINEAR_MAX_ROWS} rows" in described
+        assert choice == "torch" or ("bfloat16 products" in described) == kernels.HAS_BF16_PRODUCT
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)
         steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]
