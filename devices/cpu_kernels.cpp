@@ -541,7 +541,7 @@ inline float sum16(Vec16 v) {       // a fixed order: the same result for every 
 // rows, 0.95x at 32-64; a fetch into L1 gained half as much, and at 64 rows lost (the next block
 // evicted the one the later row pairs re-read).
 template <int R>
-void float_block(const float* x, int64_t k_dim, const float* w, int64_t nb, const float* bias, float* y,
+void product_block(const float* x, int64_t k_dim, const float* w, int64_t nb, const float* bias, float* y,
                  int64_t n_dim, const float* next) {
   Vec16 acc[R][FLOAT_BLOCK] = {};
   int64_t k = 0;
@@ -569,7 +569,7 @@ std::atomic<bool> float_products_enabled{true};
 
 void set_native_float_products(bool enabled) { float_products_enabled = enabled; }
 
-// Off: no block of W fetched ahead (float_block's `next`; benchmarks measure both).
+// Off: no block of W fetched ahead (product_block's `next`; benchmarks measure both).
 std::atomic<bool> float_prefetch_enabled{true};
 
 void set_float_prefetch(bool enabled) { float_prefetch_enabled = enabled; }
@@ -583,13 +583,14 @@ bool native_float_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 
 // The same product for bfloat16 weights and inputs, where the CPU multiplies bf16 pairs natively
 // (AVX512-BF16's vdpbf16ps: 32 products a vector, summed in float32): half the bytes of float32 to
-// read. The blocks, the fetch ahead and the fixed order of each output's sum are float_block's; the
-// output is the float32 sum rounded to bf16 once. Built only where the compiler targets such a CPU.
+// read. The blocks, the fetch ahead and the fixed order of each output's sum are the float32
+// product's; the output is the float32 sum rounded to bf16 once. Built only where the compiler
+// targets such a CPU (HAS_BF16_PRODUCT).
 #if defined(__AVX512BF16__)
 constexpr bool HAS_BF16_PRODUCT = true;
 
 template <int R>
-void bf16_block(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w, int64_t nb, const c10::BFloat16* bias,
+void product_block(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w, int64_t nb, const c10::BFloat16* bias,
                 c10::BFloat16* y, int64_t n_dim, const c10::BFloat16* next) {
   __m512 acc[R][FLOAT_BLOCK];
   for (int r = 0; r < R; ++r)
@@ -618,42 +619,8 @@ void bf16_block(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w, i
   }
 }
 
-at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const int64_t k_dim = weight.size(1), n_dim = weight.size(0);
-  const auto x = x_in.reshape({-1, k_dim}).contiguous();
-  const int64_t rows = x.size(0);
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = n_dim;
-  auto y = at::empty({rows, n_dim}, x.options());
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* wp = weight.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* bp = bias ? b.data_ptr<c10::BFloat16>() : nullptr;
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t blocks = (n_dim + FLOAT_BLOCK - 1) / FLOAT_BLOCK;
-  const bool prefetch = float_prefetch_enabled;
-  at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * FLOAT_BLOCK, nb = std::min(FLOAT_BLOCK, n_dim - n0);
-      const c10::BFloat16* wb = wp + n0 * k_dim;
-      const c10::BFloat16* bb = bp ? bp + n0 : nullptr;
-      const c10::BFloat16* next =
-          prefetch && blk + 1 < end && n0 + 2 * FLOAT_BLOCK <= n_dim ? wb + FLOAT_BLOCK * k_dim : nullptr;
-      int64_t m = 0;
-      for (; m + 2 <= rows; m += 2)
-        bf16_block<2>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim, m == 0 ? next : nullptr);
-      for (; m < rows; ++m)
-        bf16_block<1>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim, m == 0 ? next : nullptr);
-    }
-  });
-  return y.view(out_shape);
-}
 #else
 constexpr bool HAS_BF16_PRODUCT = false;
-
-at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  return at::linear(x_in, weight, bias);
-}
 #endif
 
 bool native_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -663,10 +630,10 @@ bool native_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10
          (!bias || (bias->scalar_type() == at::kBFloat16 && bias->numel() == weight.size(0)));
 }
 
-// torch's product, or the few-row ones above where they apply.
-at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  if (native_bf16_linear(x_in, weight, bias)) return bf16_linear(x_in, weight, bias);
-  if (!native_float_linear(x_in, weight, bias)) return at::linear(x_in, weight, bias);
+// The few-row product of T = float or bf16 (product_block's overloads): blocks of FLOAT_BLOCK rows of
+// W split evenly across the threads, each against the rows of x two at a time.
+template <typename T>
+at::Tensor few_row_product(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const int64_t k_dim = weight.size(1), n_dim = weight.size(0);
   const auto x = x_in.reshape({-1, k_dim}).contiguous();
   const int64_t rows = x.size(0);
@@ -674,27 +641,35 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
   out_shape.back() = n_dim;
   auto y = at::empty({rows, n_dim}, x.options());
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  const T* bp = bias ? b.data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
   const int64_t blocks = (n_dim + FLOAT_BLOCK - 1) / FLOAT_BLOCK;
   const bool prefetch = float_prefetch_enabled;
   at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * FLOAT_BLOCK, nb = std::min(FLOAT_BLOCK, n_dim - n0);
-      const float* wb = wp + n0 * k_dim;
-      const float* bb = bp ? bp + n0 : nullptr;
-      const float* next =
-          prefetch && blk + 1 < end && n0 + 2 * FLOAT_BLOCK <= n_dim ? wb + FLOAT_BLOCK * k_dim : nullptr;
+      const T* wb = wp + n0 * k_dim;
+      const T* bb = bp ? bp + n0 : nullptr;
+      const T* next = prefetch && blk + 1 < end && n0 + 2 * FLOAT_BLOCK <= n_dim ? wb + FLOAT_BLOCK * k_dim : nullptr;
       int64_t m = 0;      // the first pass over the block reads it from memory: it fetches the next
       for (; m + 2 <= rows; m += 2)
-        float_block<2>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim, m == 0 ? next : nullptr);
+        product_block<2>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim, m == 0 ? next : nullptr);
       for (; m < rows; ++m)
-        float_block<1>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim, m == 0 ? next : nullptr);
+        product_block<1>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim, m == 0 ? next : nullptr);
     }
   });
   return y.view(out_shape);
+}
+
+// torch's product, or the few-row ones above where they apply.
+at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__)
+  if (native_bf16_linear(x_in, weight, bias)) return few_row_product<c10::BFloat16>(x_in, weight, bias);
+#endif
+  if (native_float_linear(x_in, weight, bias)) return few_row_product<float>(x_in, weight, bias);
+  return at::linear(x_in, weight, bias);
 }
 
 // A linear layer as the model holds it: a float weight [N, K] (float_linear), or a packed int8
