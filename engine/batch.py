@@ -46,6 +46,8 @@ class ScheduledBatch:
     sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
     spec: SpecPlan | None = None                           # with speculative decoding
     idle: bool = False          # DP attention: no rows, run only to keep this rank's collectives in step
+    steps: int = 1              # decode steps run back to back, each row feeding its own last token
+                                # (--num-scheduler-steps; only decodes, one token fed each)
 
     @property
     def is_spec_decode(self) -> bool:

@@ -141,7 +141,7 @@ class ModelRunner:
             rows=long([seq.row for seq in batch.seqs]), sample_rows=long(sample_rows), future_ids=long(future_ids),
             max_q=batch.max_q, max_kv=batch.max_kv,
             sampling=SamplingBatch.build(batch.sample_params, noise_keys, self.vocab_size, torch.device("cpu")),
-            spec=self.spec_inputs(batch),
+            spec=self.spec_inputs(batch), steps=batch.steps,
             groups=attention_groups(q_lens, kv_lens, "cpu") if not batch.is_spec_decode else None)
 
     @staticmethod
@@ -157,7 +157,8 @@ class ModelRunner:
         """The captured graph the batch's target forward could replay (None: it runs eagerly): a
         speculative step's verify, or (without speculation) a batch of plain decodes only."""
         graphs = self.graphs
-        if graphs is None or batch is None or batch.idle or graphs.settings.size_for(len(batch.seqs)) is None:
+        if graphs is None or batch is None or batch.idle or batch.steps > 1 or \
+                graphs.settings.size_for(len(batch.seqs)) is None:
             return None
         width = self.target.key_width(batch.max_kv)
         if batch.is_spec_decode:
@@ -211,6 +212,8 @@ class ModelRunner:
         return tensor.to(self.device.torch_device, non_blocking=True)
 
     def forward_and_sample(self, inp: StepInputs) -> StepResult | Deferred:
+        if inp.steps > 1:
+            return self.decode_steps(inp)
         put = self.put
         input_ids = self.futures.resolve(put(inp.input_ids))
         if inp.graph is not None:
@@ -229,6 +232,25 @@ class ModelRunner:
         if self.drafts_prompt(inp):       # the first tokens go out while the draft reads the prompt
             return Deferred(result, lambda: self.worker.after_prefill(inp, input_ids, attn, out, tokens))
         return result
+
+    def decode_steps(self, inp: StepInputs) -> StepResult:
+        """inp.steps plain decode steps of a batch of decodes (one token each) back to back: each
+        row feeds the token it sampled last, at the next position, with the next noise key."""
+        put = self.put
+        input_ids = self.futures.resolve(put(inp.input_ids))
+        q_lens, kv_lens, rows = put(inp.q_lens), put(inp.kv_lens), put(inp.rows)
+        sb = to_device(inp.sampling, self.device.torch_device)
+        tokens, logits = [], []
+        for step in range(inp.steps):
+            attn = build_attention_batch(q_lens, kv_lens + step, rows, self.req_to_slot, 1, inp.max_kv + step, self.kv)
+            step_logits = self.model.compute_logits(self.model(input_ids, attn).hidden)
+            input_ids = sample(step_logits, sb.advanced(step), self.target.generator)
+            tokens.append(input_ids)
+            logits.append(step_logits)
+        self.futures.store(put(inp.future_ids), input_ids)
+        emitted = torch.stack(tokens, dim=1)
+        every = torch.stack(logits, dim=1) if sb.max_logprobs is not None else None
+        return step_result(emitted, torch.full_like(input_ids, inp.steps - 1), every, sb)
 
     def drafts_prompt(self, inp: StepInputs) -> bool:
         """Does the speculative worker read this prefill batch? Not when none of its requests decodes

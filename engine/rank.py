@@ -24,6 +24,7 @@ from engine.messages import (AbortRequest, AddRequest, KvLayer, PrefillDone, Ran
                              RequestRejected, Shutdown, TokenDelta)
 from engine.model_runner import ModelRunner
 from engine.request import Request
+from engine.multi_step import MultiStepDecoding
 from engine.policy import DecodePolicy, PlainDecoding
 from engine.scheduler import Scheduler, SchedulerConfig
 from spec.policy import SpeculativeDecoding
@@ -45,7 +46,7 @@ def scheduler_config(args: ServerArgs, runner: ModelRunner, future_slots: int) -
 def decode_policy(args: ServerArgs, runner: ModelRunner) -> DecodePolicy:
     """The CPU side of how the runner decodes: plainly, or with its speculative worker."""
     if runner.worker is None:
-        return PlainDecoding()
+        return MultiStepDecoding(args.num_scheduler_steps) if args.num_scheduler_steps > 1 else PlainDecoding()
     return SpeculativeDecoding(runner.spec_tokens, args.spec_off_batch_size, runner.worker.catches_up)
 
 

@@ -7,6 +7,7 @@ retraction or speculation; unseeded requests share the rank's generator.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,13 @@ class SamplingBatch:
             positions=positions,
             max_logprobs=max(wanted) if wanted else None,
         )
+
+
+    def advanced(self, steps: int) -> "SamplingBatch":
+        """The same rows, each `steps` output positions further (multi-step decoding)."""
+        if not steps:
+            return self
+        return dataclasses.replace(self, positions=[p + steps for p in self.positions])
 
 
 def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -48,6 +48,7 @@ class StepInputs:
     spec: SpecInputs | None = None
     groups: list[Group] | None = None     # attention parts (host indices): decodes apart from prompt chunks
     graph: GraphShape | None = None       # the captured graph its target forward replays (None: eager)
+    steps: int = 1                        # decode steps back to back (ScheduledBatch.steps)
 
     @property
     def spec_decode(self) -> bool:
@@ -84,7 +85,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("cpu", non_blocking=True)
 
 
-def step_result(emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch,
+def step_result(emitted: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None, sb: SamplingBatch,
                 **extra: Any) -> StepResult:
     """Host copies of a step's outputs (on the stream): emitted [B, R] tokens of which the first
     n+1 count, and, when asked, logprobs of the model's distribution at each of the R rows."""

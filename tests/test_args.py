@@ -21,6 +21,8 @@ def test_chain_length_from_flags():
     (["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6"], "must be --speculative-num-steps + 1"),
     (["--speculative-num-steps", "0"], "at least 1"),
     (["--speculative-algorithm", "eagle3", "--model-path", "/nonexistent"], "needs --speculative-draft-model-path"),
+    (["--num-scheduler-steps", "4"], "is for plain decoding"),              # the embedded default is EAGLE
+    (["--num-scheduler-steps", "0", "--speculative-algorithm", "none"], "--num-scheduler-steps must be at least 1"),
 ])
 def test_contradictions_are_refused(flags, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -21,6 +21,7 @@ NEW_TOKENS = 32
 CONFIGS = {
     "plain+overlap": ["--speculative-algorithm", "none"],
     "plain-no-overlap": ["--speculative-algorithm", "none", "--disable-overlap-schedule"],
+    "plain+4-steps": ["--speculative-algorithm", "none", "--num-scheduler-steps", "4"],
     "eagle+overlap": [],
     "eagle-no-overlap": ["--disable-overlap-schedule"],
 }

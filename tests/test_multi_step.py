@@ -1,0 +1,206 @@
+"""Multi-step plain decoding (--num-scheduler-steps): several decode steps a launch give plain
+decoding's outputs, and the scheduler around them keeps its contracts.
+
+On plain data (the scheduler tests' fake device, which runs a multi-step batch's steps itself):
+exact outputs with and without overlap, EOS and stop ids inside a run, retraction under KV
+pressure, the context limit, a new prompt not waiting behind more than the launch in flight,
+everything freed. On the embedded model, in-process: greedy, seeded sampling and logprobs equal
+to plain decoding for requests of different lengths and limits side by side."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.kv_pool import KVPool
+from engine.messages import SamplingParams
+from engine.multi_step import MultiStepDecoding
+from engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from tests.test_scheduler import FakeDevice, drive, expected
+
+
+class MultiStepDevice(FakeDevice):
+    """FakeDevice that runs a multi-step batch's steps, each row feeding its own last token, and
+    checks that every position a step writes has its slot-table entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.multi_batches = 0
+        self.batches = 0
+
+    def run(self, batch):
+        self.batches += 1
+        if batch.steps == 1:
+            return super().run(batch)
+        self.multi_batches += 1
+        for row, pos, slot in zip(batch.table_rows, batch.table_pos, batch.table_slots):
+            self.table[row, pos] = slot
+        runs = []
+        for seq, fed in zip(batch.seqs, batch.input_ids):
+            assert seq.q_len == 1 and seq.decode
+            last, run = self.futures[-fed] if fed < 0 else fed, []
+            for pos in range(seq.start, seq.start + batch.steps):
+                assert (seq.row, pos) in self.table, "a step writes a position without a slot"
+                last = (last + 1) % 50 if last != 48 else 0
+                run.append(last)
+            self.futures[seq.future_id] = last
+            runs.append(run)
+        return StepOutput(tokens=runs)
+
+
+def make(steps=4, num_slots=4096, rows=16, chunk=64, budget=128, context=4096, page_size=1):
+    config = SchedulerConfig(max_running_requests=rows, max_queued_requests=100, max_prefill_tokens=budget,
+                             chunked_prefill_size=chunk, context_length=context, future_slots=2 * rows + 2)
+    return Scheduler(config, KVPool(num_slots, page_size, rows), eos_ids=frozenset({49}),
+                     policy=MultiStepDecoding(steps))
+
+
+def drive_multi(sched, overlap=True, on_step=None):
+    import tests.test_scheduler as plain
+    original, plain.FakeDevice = plain.FakeDevice, MultiStepDevice
+    try:
+        return drive(sched, overlap, on_step=on_step)
+    finally:
+        plain.FakeDevice = original
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_outputs_are_exact_and_everything_is_freed(overlap, page_size):
+    sched = make(page_size=page_size)
+    rng = random.Random(0)
+    reqs = []
+    for i in range(12):
+        prompt = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 150))]
+        sched.add(f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randrange(1, 30), ignore_eos=True))
+        reqs.append((sched.requests[f"r{i}"], prompt))
+    device = drive_multi(sched, overlap)
+    assert device.multi_batches > 0
+    for req, prompt in reqs:
+        assert req.finish_reason == "length" and req.output_ids == expected(prompt, req.params.max_new_tokens)
+    assert sched.pool.used_slots == 0 and len(sched.pool.free_rows) == 16
+
+
+def test_stop_ids_and_limits_inside_runs_give_plain_outputs():
+    sched = make(steps=8)
+    params = {"stop": SamplingParams(max_new_tokens=50, stop_token_ids=(45,)),
+              "limit": SamplingParams(max_new_tokens=11, ignore_eos=True),
+              "long": SamplingParams(max_new_tokens=40, ignore_eos=True)}
+    for rid, p in params.items():
+        sched.add(rid, [40], p)
+    reqs = {rid: sched.requests[rid] for rid in params}
+    drive_multi(sched)
+    assert reqs["stop"].output_ids == [41, 42, 43, 44, 45] and reqs["stop"].matched_stop == 45
+    assert reqs["limit"].output_ids == expected([40], 11)
+    assert reqs["long"].output_ids == expected([40], 40)
+
+
+def test_no_run_goes_past_what_requests_can_use():
+    """Each multi-step batch runs no more steps than its requests can still emit (max_tokens), nor
+    past a request's context (its KV positions must exist)."""
+    sched = make(steps=8, context=40)
+    sched.add("long", [1, 2, 3], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    sched.add("near-context", list(range(1, 35)), SamplingParams(max_new_tokens=100, ignore_eos=True))
+    reqs = dict(sched.requests)
+    seen = []
+    device = MultiStepDevice()
+    while sched.has_work:
+        batch = sched.schedule()
+        if batch.steps > 1:
+            seen.append(batch.steps)
+            assert all(seq.start + batch.steps <= 40 for seq in batch.seqs)
+        sched.process(batch, device.run(batch))
+    assert seen and max(seen) <= 8 and min(seen) < 8
+    assert reqs["long"].output_ids == expected([1, 2, 3], 30)
+    assert reqs["near-context"].finish_reason == "length" and len(reqs["near-context"].all_ids) == 40
+    assert sched.pool.used_slots == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_lone_request_takes_one_launch_per_run(overlap):
+    """100 tokens at 8 a launch: the prefill's, twelve runs of eight, one of three, and no other
+    launch (with overlap, a batch planned on the one in flight counts its tokens)."""
+    sched = make(steps=8)
+    sched.add("a", [1, 2, 3], SamplingParams(max_new_tokens=100, ignore_eos=True))
+    req = sched.requests["a"]
+    device = drive_multi(sched, overlap)
+    assert req.output_ids == expected([1, 2, 3], 100)
+    assert device.multi_batches == 13 and device.batches == 14
+
+
+def test_a_new_prompt_waits_only_for_the_launch_in_flight():
+    sched = make(steps=8)
+    sched.add("a", [1, 2, 3], SamplingParams(max_new_tokens=100, ignore_eos=True))
+    device = MultiStepDevice()
+    prefill = sched.schedule()
+    sched.process(prefill, device.run(prefill))
+    in_flight = sched.schedule()
+    assert in_flight.steps == 8
+    sched.add("b", [5, 6, 7, 8], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    mixed = sched.schedule()                     # planned while the multi-step batch is in flight
+    assert mixed.steps == 1 and [(s.req.rid, s.q_len) for s in mixed.seqs] == [("a", 1), ("b", 4)]
+    assert mixed.seqs[0].start == 3 + 8          # the prompt, then the eight positions in flight
+    sched.process(in_flight, device.run(in_flight))
+    sched.process(mixed, device.run(mixed))
+    assert sched.requests["a"].output_ids == expected([1, 2, 3], 10)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_retraction_under_kv_pressure_recomputes_exactly(overlap):
+    sched = make(steps=4, num_slots=96, chunk=32, budget=64, rows=8)
+    rng = random.Random(1)
+    reqs = []
+    for i in range(8):
+        prompt = [rng.randrange(1, 40) for _ in range(rng.randrange(5, 30))]
+        sched.add(f"r{i}", prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        reqs.append((sched.requests[f"r{i}"], prompt))
+    used = []
+    drive_multi(sched, overlap, on_step=lambda s: used.append(s.pool.used_slots))
+    assert sched.retractions > 0 and max(used) <= 96
+    for req, prompt in reqs:
+        assert req.output_ids == expected(prompt, 30)
+    assert sched.pool.used_slots == 0
+
+
+# ---- the embedded model ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+    from tests.e2e_prompts import CODE_PROMPTS
+    from tests.server_harness import DENSE
+    tok = AutoTokenizer.from_pretrained(DENSE)
+    return [tok.encode(p) for p in CODE_PROMPTS[:4]]
+
+
+async def outputs(flags: list[str], prompts: list[list[int]], params: list[SamplingParams]):
+    from tests.server_harness import DENSE
+    from tests.test_engine_core import Engine
+    engine = Engine(["--model-path", str(DENSE), "--speculative-algorithm", "none", "--max-total-tokens", "4096",
+                     "--max-running-requests", "4"] + flags)
+    try:
+        reqs = [engine.add(f"r{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        steps = []
+        engine.core.launch_observers.append(lambda flight: steps.append(flight.batch.steps))
+        await engine.finish()
+        assert (max(steps) > 1) == ("--num-scheduler-steps" in flags)
+        return [(r.output_ids, r.output_logprobs, r.output_top_logprobs, r.finish_reason) for r in reqs]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("overlap", [[], ["--disable-overlap-schedule"]], ids=["overlap", "serial"])
+async def test_the_embedded_model_decodes_as_plain_decoding(overlap, prompts):
+    """Greedy, seeded sampling with top-p, logprobs, and limits that end inside a run."""
+    params = [SamplingParams(max_new_tokens=37, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=26, temperature=0.7, seed=2**40 + 1, ignore_eos=True, logprobs=0)]
+    plain = await outputs(overlap, prompts, params)
+    multi = await outputs(overlap + ["--num-scheduler-steps", "4"], prompts, params)
+    assert multi == plain
+    greedy_stop = plain[0][0][9]            # a stop id the greedy row meets: its run is cut there
+    params[0] = SamplingParams(max_new_tokens=37, temperature=0, stop_token_ids=(greedy_stop,))
+    cut = await outputs(overlap + ["--num-scheduler-steps", "4"], prompts, params)
+    stop_at = plain[0][0].index(greedy_stop)
+    assert cut[0][0] == plain[0][0][:stop_at + 1] and cut[0][3] == "stop"
