@@ -55,6 +55,50 @@ inline float fast_exp(float x) {
   return y * scale;
 }
 
+// 16 floats a vector (one AVX-512 register, two AVX2 ones): the products' and attention's unit.
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline Vec16 load16(const c10::BFloat16* p) {      // bf16 is the top half of a float32
+  U16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32x16 w = __builtin_convertvector(h, U32x16) << 16;
+  Vec16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline float sum16(Vec16 v) {       // a fixed order: the same result for every row count
+  float lanes[16];
+  std::memcpy(lanes, &v, sizeof(lanes));
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += lanes[i];
+  return s;
+}
+
+// The lane sums of eight vectors side by side, each by the same fixed tree (halves, quarters,
+// eighths, pairs): 7 vector adds instead of 120 scalar ones.
+inline Vec8 sum_lanes8(const Vec16 (&a)[8]) {
+  Vec16 u[4], v[2];
+  for (int i = 0; i < 4; ++i)
+    u[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const Vec16 w = __builtin_shufflevector(v[0], v[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                  __builtin_shufflevector(v[0], v[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(w, w, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(w, w, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 // out = weight * (x / rms(x)), normalized in float32 and rounded to the input dtype before the
 // weight (as the pure-torch RMSNorm and Hugging Face do).
 template <typename T>
@@ -190,8 +234,11 @@ at::Tensor rope_table(const at::Tensor& q_start, const at::Tensor& q_len, const 
 }
 
 // From this many query rows a (sequence, kv head) on, attention runs as two matrix products over
-// gathered keys instead of key by key (bench/cpu_kernels.py).
-constexpr int64_t ROWS_FOR_PRODUCTS = 8;
+// gathered keys instead of row by row from the cache (bench/cpu_kernels.py). Float32 rows read in
+// registers (attend_in_registers) beat the products up to 16 rows (1 x 5 tokens, 2 query heads a
+// kv head: 22 against 30 us a layer); bf16 ones, which widen every key, only up to 8.
+template <typename T>
+constexpr int64_t rows_for_products() { return std::is_same_v<T, float> ? 17 : 8; }
 
 // Many queries a sequence (verify runs of many sequences, prompt chunks): the (sequence, kv head)'s
 // keys and values gathered once into float matrices, scores and outputs as two matrix products.
@@ -234,6 +281,56 @@ _Pragma("omp simd reduction(+ : total)")
   const float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < n_rows; ++r)
     for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = static_cast<T>(op[r * dim + d]);
+}
+
+// Few query rows a (sequence, kv head) (decode steps, short verify runs), for head dims of NV * 16:
+// each row's query and output accumulator stay in registers while it reads the keys and values
+// straight from the cache; the dot products of eight keys are reduced side by side (sum_lanes8).
+// A row's result does not depend on the other rows or sequences.
+template <int NV, typename T>
+void attend_in_registers(const float* const* query, int64_t n_rows, int64_t group, int64_t first,
+                         const int64_t* slots, const T* kc, const T* vc, int64_t kv_heads, int64_t kv_head,
+                         float softmax_scale, float* row, T* const* out_rows) {
+  constexpr int64_t dim = NV * 16;
+  const int64_t stride = kv_heads * dim;
+  const T* keys = kc + kv_head * dim;
+  const T* values = vc + kv_head * dim;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t visible = first + r / group + 1;
+    Vec16 q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = load16(query[r] + 16 * v);
+    for (int64_t j = 0; j < visible; j += 8) {
+      const int64_t block = std::min<int64_t>(8, visible - j);
+      Vec16 part[8];
+      for (int i = 0; i < 8; ++i) {
+        part[i] = Vec16{};
+        if (i < block) {
+          const T* k = keys + slots[j + i] * stride;
+          for (int v = 0; v < NV; ++v) part[i] += q[v] * load16(k + 16 * v);
+        }
+      }
+      const Vec8 dots = sum_lanes8(part);
+      for (int64_t i = 0; i < block; ++i) row[j + i] = dots[i] * softmax_scale;
+    }
+    float top = -INFINITY;
+    for (int64_t j = 0; j < visible; ++j) top = std::max(top, row[j]);
+    float total = 0.f;
+_Pragma("omp simd reduction(+ : total)")
+    for (int64_t j = 0; j < visible; ++j) {
+      row[j] = fast_exp(row[j] - top);
+      total += row[j];
+    }
+    Vec16 acc[NV] = {};
+    for (int64_t j = 0; j < visible; ++j) {
+      const T* v_row = values + slots[j] * stride;
+      const Vec16 p = Vec16{} + row[j];
+      for (int v = 0; v < NV; ++v) acc[v] += p * load16(v_row + 16 * v);
+    }
+    const float norm = 1.f / total;
+    float out[dim];
+    for (int v = 0; v < NV; ++v) std::memcpy(out + 16 * v, &acc[v], sizeof(Vec16));
+    for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = static_cast<T>(out[d] * norm);
+  }
 }
 
 template <typename T>
@@ -333,13 +430,21 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
       query.resize(n_rows);
       for (int64_t r = 0; r < n_rows; ++r)
         query[r] = queries.data() + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
-      if (n_rows >= ROWS_FOR_PRODUCTS) {
-        out_rows.resize(n_rows);
-        for (int64_t r = 0; r < n_rows; ++r)
-          out_rows[r] = dst + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
+      out_rows.resize(n_rows);
+      for (int64_t r = 0; r < n_rows; ++r)
+        out_rows[r] = dst + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
+      if (n_rows >= rows_for_products<T>()) {
         attend_by_products(query.data(), n_rows, group, keys, first, slots.data(), kc, vc, heads.kv, kv_head, dim,
                            softmax_scale, out_rows.data());
         continue;
+      }
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        if (dim == 64 || dim == 128) {
+          (dim == 64 ? attend_in_registers<4, T> : attend_in_registers<8, T>)(
+              query.data(), n_rows, group, first, slots.data(), kc, vc, heads.kv, kv_head, softmax_scale,
+              scores.data(), out_rows.data());
+          continue;
+        }
       }
       for (int64_t j = 0; j < keys; ++j) {
         const T* k = kc + (slots[j] * heads.kv + kv_head) * dim;
@@ -519,22 +624,6 @@ at::Tensor int8_dequantize(const at::Tensor& packed, const at::Tensor& scale, at
 // depend on the batch it came in.
 constexpr int64_t FLOAT_LINEAR_MAX_ROWS = 64;      // above: torch's compute-bound product
 constexpr int64_t FLOAT_BLOCK = 8;                 // rows of W a block
-typedef float Vec16 __attribute__((vector_size(64)));
-
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float sum16(Vec16 v) {       // a fixed order: the same result for every row count
-  float lanes[16];
-  std::memcpy(lanes, &v, sizeof(lanes));
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += lanes[i];
-  return s;
-}
-
 // `next`: the block of W after this one (or null), fetched line by line alongside this one's, into
 // the outer caches (prefetcht2): the eight row streams of a block are too short for the hardware
 // prefetcher to follow. Measured on the model's products side by side: 0.70x the time at 1 and 4

@@ -129,11 +129,12 @@ def copy_of(kv: KVCache) -> KVCache:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,qk_norm", [(4, 2, False), (6, 1, False), (4, 4, True)])
-def test_attention_matches_the_torch_path(dtype, heads, kv_heads, qk_norm):
+@pytest.mark.parametrize("dim", [16, 64, 128])      # 64, 128: few rows read in registers; 16: key by key
+def test_attention_matches_the_torch_path(dtype, heads, kv_heads, qk_norm, dim):
     """A batch of a prompt chunk, decodes and verify-like runs over a shuffled slot table: the same
     outputs and the same keys and values written to the cache."""
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    dim, page = 16, 4
+    page = 4
     q_lens, kv_lens, rows = [9, 1, 4, 1, 3], [9, 40, 23, 1, 61], [3, 0, 4, 2, 1]
     pages = torch.randperm(5 * 64 // page, generator=gen)             # KVPool's layout: whole pages, shuffled
     table = (pages[:, None] * page + torch.arange(page)).view(5, 64)
