@@ -132,10 +132,11 @@ class ServerArgs:
     enable_cpu_graph: bool = flag(False, "On the CPU, run decode, verify and draft steps through the graph runner "
                                          "too (static buffers replayed eagerly, padded to the capture sizes, whole "
                                          "chains): the CI path of CUDA/NPU graphs, not a speed-up.")
-    num_scheduler_steps: int = flag(1, "Plain decoding (--speculative-algorithm none): when no prompt is waiting, "
-                                       "run up to N decode steps in one launch, each row feeding its own last "
-                                       "token (vLLM's name). The rank loop, the front and the client then work "
-                                       "once per N tokens; a new prompt waits for the launch in flight.")
+    num_scheduler_steps: int = flag(1, "When no prompt is waiting, run up to N decode steps in one launch (vLLM's "
+                                       "name): plain decoding feeds each row its own last token, speculative "
+                                       "decoding drafts and verifies N times from what each round accepted. The "
+                                       "rank loop, the front and the client then work once per launch; a new "
+                                       "prompt waits for the launch in flight.")
     stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
     max_request_bytes: int = flag(16 * 1024 * 1024, "Largest HTTP request body accepted; larger ones get 413.")
     max_rank_restarts: int = flag(3, "Rank processes that die are restarted; after this many deaths within 10 "
@@ -232,10 +233,6 @@ class ServerArgs:
     def validate_multi_step(self) -> None:
         if self.num_scheduler_steps < 1:
             raise ValueError("--num-scheduler-steps must be at least 1")
-        if self.num_scheduler_steps > 1 and self.spec_algorithm != "none":
-            raise ValueError(f"--num-scheduler-steps is for plain decoding; --speculative-algorithm "
-                             f"{self.spec_algorithm} already emits several tokens a step (add "
-                             f"--speculative-algorithm none)")
         if self.num_scheduler_steps > 1 and self.enable_dp_attention:
             raise ValueError("--num-scheduler-steps does not combine with --enable-dp-attention (the group steps "
                              "one token at a time)")

@@ -46,8 +46,9 @@ class ScheduledBatch:
     sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
     spec: SpecPlan | None = None                           # with speculative decoding
     idle: bool = False          # DP attention: no rows, run only to keep this rank's collectives in step
-    steps: int = 1              # decode steps run back to back, each row feeding its own last token
-                                # (--num-scheduler-steps; only decodes, one token fed each)
+    steps: int = 1              # decode steps run back to back (--num-scheduler-steps): plain decodes
+                                # feed one token each, then their own last; speculative ones draft
+                                # and verify again from what the round before accepted
 
     @property
     def is_spec_decode(self) -> bool:
@@ -81,3 +82,13 @@ class StepOutput:
     tokens: list[list[int]]
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    rounds: list[list[int]] | None = None     # speculative steps of a launch: each seq's run length a round
+
+    @classmethod
+    def joined(cls, outputs: list["StepOutput"]) -> "StepOutput":
+        """The rounds of a multi-round speculative launch, each seq's runs one after another."""
+        def join(field: str) -> list | None:
+            parts = [getattr(out, field) for out in outputs]
+            return None if parts[0] is None else [sum(runs, []) for runs in zip(*parts)]
+        return cls(tokens=join("tokens"), logprobs=join("logprobs"), top_logprobs=join("top_logprobs"),
+                   rounds=[[len(run) for run in runs] for runs in zip(*(out.tokens for out in outputs))])

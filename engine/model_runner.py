@@ -266,7 +266,12 @@ class ModelRunner:
         return step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb), tokens
 
     def speculative_step(self, inp: StepInputs) -> StepResult:
-        result = self.worker.decode_step(inp)
+        """One speculative step, or inp.steps of them back to back: each round drafts and verifies
+        from the lengths and bonus tokens the round before left on the device."""
+        if inp.steps > 1:
+            result = StepResult.of_rounds([self.worker.decode_step(inp.round(i)) for i in range(inp.steps)])
+        else:
+            result = self.worker.decode_step(inp)
         put = self.put
         # each request's future: its last emitted token (the input of a plain decode that follows)
         self.futures.store(put(inp.future_ids), self.worker.bonus[put(inp.rows)])

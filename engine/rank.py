@@ -47,7 +47,8 @@ def decode_policy(args: ServerArgs, runner: ModelRunner) -> DecodePolicy:
     """The CPU side of how the runner decodes: plainly, or with its speculative worker."""
     if runner.worker is None:
         return MultiStepDecoding(args.num_scheduler_steps) if args.num_scheduler_steps > 1 else PlainDecoding()
-    return SpeculativeDecoding(runner.spec_tokens, args.spec_off_batch_size, runner.worker.catches_up)
+    return SpeculativeDecoding(runner.spec_tokens, args.spec_off_batch_size, runner.worker.catches_up,
+                               rounds=args.num_scheduler_steps)
 
 
 def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None,
@@ -110,8 +111,9 @@ class Rank:
         if not done.batch.is_spec_decode:
             return
         if done.batch.chain:                  # plain steps under load are counted apart (spec_off_steps)
-            for run in done.output.tokens:
-                self.accept_hist[len(run) - 1] += 1
+            for lengths in done.output.rounds or [[len(run)] for run in done.output.tokens]:
+                for length in lengths:
+                    self.accept_hist[length - 1] += 1
         t = done.launched.started
         for phase, seconds in self.runner.phase_times(done.result):
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds

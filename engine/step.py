@@ -5,6 +5,7 @@ model that a speculative worker gets (Target) instead of the whole runner.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,14 @@ class StepInputs:
     def spec_decode(self) -> bool:
         return self.spec is not None and self.spec.decode
 
+    def round(self, i: int) -> "StepInputs":
+        """Round i of a multi-round speculative launch: the noise keys i steps further; the draft
+        read everything the round before accepted (no lag). The rows' positions live on the device."""
+        if i == 0:
+            return self
+        return dataclasses.replace(self, sampling=self.sampling.advanced(i),
+                                   spec=dataclasses.replace(self.spec, draft_lag=torch.zeros_like(self.spec.draft_lag)))
+
 
 @dataclass
 class StepResult:
@@ -66,9 +75,18 @@ class StepResult:
     marks: list = field(default_factory=list)  # speculative steps: (phase, device mark), "start" first
     drafted: torch.Tensor | None = None        # speculative steps: [B] drafts each row verified
     verify_tokens: int = 0                     # speculative steps: tokens the verify forward read
+    rounds: list["StepResult"] | None = None   # a multi-round speculative launch: each round's result
+
+    @classmethod
+    def of_rounds(cls, rounds: list["StepResult"]) -> "StepResult":
+        """One result for the rounds of a launch; its marks run through every round's phases."""
+        marks = rounds[0].marks + [mark for r in rounds[1:] for mark in r.marks[1:]]
+        return cls(marks=marks, rounds=rounds, verify_tokens=sum(r.verify_tokens for r in rounds))
 
     def output(self) -> StepOutput:
         """Host lists (call once the step's launch resolved)."""
+        if self.rounds:
+            return StepOutput.joined([r.output() for r in self.rounds])
         if self.emitted is None:
             return StepOutput(tokens=[])
         counts = [n + 1 for n in self.accepted.tolist()]

@@ -20,6 +20,12 @@ decodes would go as a speculative step that drafts nothing (chain 0), which also
 one token. The rank never meets that case (load grows only through a prefill batch, and the step
 before it is processed before the next is scheduled); a rank further behind would.
 
+With --num-scheduler-steps N (`rounds`), a speculative batch whose requests have no prompt
+waiting runs up to N speculative steps back to back in one launch (each round drafts, verifies and
+accepts from the state the round before left on the device): it feeds each request N * (k+1)
+positions and gives back what the rounds did not accept. Round i samples with the noise key of
+the i-th step of the launch, so the outputs are those of N launches of one step each.
+
 A draft model that skipped plain steps catches up in the next drafting step; `draft_lag` (tokens
 its draft has not read) is exact on the CPU because each of those steps emitted exactly one
 token. Such a draft (`catches_up`) also skips prefill batches under load (`draft_skip`: as many
@@ -51,20 +57,23 @@ class SpecRecord:
     draft_lag: int = 0          # positions its draft model has to catch up on
     draft_end: int = 0          # positions its draft model has read (prefill; plain decodes under load)
     drafting: int = 0           # speculative steps with drafts in flight (kv_len is a bound while > 0)
+    extra_rounds: int = 0       # rounds in flight beyond one a launch (each emits at least one token)
     plain: bool = False         # its last step was a plain decode under load (feed_plain)
     verify_steps: int = 0       # steps that produced output for it while decoding
 
 
 class SpeculativeDecoding(DecodePolicy):
-    def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False):
-        self.growth = spec_tokens               # k+1 positions per speculative step
+    def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False, rounds: int = 1):
+        self.spec_tokens = spec_tokens          # k+1 positions per speculative step
+        self.rounds = rounds                    # most speculative steps a launch (--num-scheduler-steps)
+        self.growth = spec_tokens * rounds      # KV positions one decode launch may add
         self.off_batch_size = off_batch_size    # decode batches this large draft nothing (0: always draft)
         self.catches_up = draft_catches_up      # the draft can skip prefill chunks and read them later
         self.off_steps = 0                      # decode steps without speculation (under load)
 
     @property
     def k(self) -> int:
-        return self.growth - 1
+        return self.spec_tokens - 1
 
     def new_record(self) -> SpecRecord:
         return SpecRecord()
@@ -96,6 +105,7 @@ class SpeculativeDecoding(DecodePolicy):
             return False
         batch.spec.decode = True
         batch.spec.chain = self.chain_length(decodes, max(wanted.values()))
+        batch.steps = self.batch_rounds(sched, decodes, batch.chain, max(wanted.values()))
         for req in decodes:
             self.feed_spec(sched, batch, req)
         return True
@@ -103,7 +113,16 @@ class SpeculativeDecoding(DecodePolicy):
     def tokens_wanted(self, sched: "Scheduler", req: Request) -> int:
         """Most tokens the request can still emit, given that every step in flight emits at least one."""
         return min(req.params.max_new_tokens - len(req.output_ids),
-                   sched.config.context_length - req.known_len) - req.pending
+                   sched.config.context_length - req.known_len) - req.pending - req.decode.extra_rounds
+
+    def batch_rounds(self, sched: "Scheduler", decodes: list[Request], chain: int, most_wanted: int) -> int:
+        """Speculative steps of the launch: up to `rounds` for a drafting batch (no prompt is waiting:
+        plan_decodes runs only then), no more than its requests can use (each round emits at least
+        one token), and never a position past the context."""
+        if self.rounds < 2 or chain == 0:
+            return 1
+        room = min(sched.config.context_length - req.kv_len for req in decodes) // (chain + 1)
+        return max(1, min(self.rounds, most_wanted, room))
 
     def chain_length(self, decodes: list[Request], most_wanted: int) -> int:
         """Draft tokens per request: none under load and, for an all-greedy batch, never more than
@@ -118,13 +137,15 @@ class SpeculativeDecoding(DecodePolicy):
         return max(0, min(self.k, most_wanted - 1))
 
     def feed_spec(self, sched: "Scheduler", batch: ScheduledBatch, req: Request) -> None:
-        """One speculative step: its chain+1 positions start where the device says."""
-        chain, record = batch.spec.chain, req.decode
-        size = chain + 1
+        """One speculative step, or batch.steps of them: chain+1 positions each, starting where the
+        device says. Round i of a launch samples with the noise key of the request's next step + i."""
+        chain, record, rounds = batch.spec.chain, req.decode, batch.steps
+        size = (chain + 1) * rounds
         sched.allocate(batch, req, req.kv_len + size)
-        record.steps_launched += 1
-        seq = SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, decode=True,
-                      noise_key=SPEC_NOISE_BASE + record.steps_launched)
+        first_key = SPEC_NOISE_BASE + record.steps_launched + 1
+        record.steps_launched += rounds
+        record.extra_rounds += rounds - 1
+        seq = SeqWork(req=req, row=req.row, start=req.kv_len, q_len=size, decode=True, noise_key=first_key)
         seq.future_id = req.future_id = sched.take_future()      # its last emitted token: a plain decode's input
         batch.seqs.append(seq)
         batch.spec.draft_lag.append(record.draft_lag)
@@ -173,15 +194,17 @@ class SpeculativeDecoding(DecodePolicy):
     def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int]) -> None:
         req = seq.req
         if seq.decode:                       # a plain decode under load counts as a one-token verify
-            req.decode.verify_steps += 1
+            req.decode.verify_steps += batch.steps
         if batch.is_spec_decode:
             req.decode.drafting -= batch.chain > 0
+            req.decode.extra_rounds -= batch.steps - 1
             if req.status is Status.RUNNING:
                 sched.give_back(req, seq.q_len - len(run))
 
     def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         if batch.is_spec_decode:
             seq.req.decode.drafting -= batch.chain > 0
+            seq.req.decode.extra_rounds -= batch.steps - 1
 
     def on_retract(self, req: Request) -> None:
         req.decode.draft_lag = req.decode.draft_end = 0

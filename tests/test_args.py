@@ -14,6 +14,7 @@ def test_chain_length_from_flags():
     assert parse_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"]).num_steps == 4
     assert parse_args(["--speculative-algorithm", "none"]).num_steps == 0
     assert parse_args([]).num_steps == DEFAULT_NUM_STEPS["eagle"]          # the embedded default serves EAGLE
+    assert parse_args(["--num-scheduler-steps", "4"]).num_scheduler_steps == 4     # speculative rounds a launch
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -21,7 +22,6 @@ def test_chain_length_from_flags():
     (["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6"], "must be --speculative-num-steps + 1"),
     (["--speculative-num-steps", "0"], "at least 1"),
     (["--speculative-algorithm", "eagle3", "--model-path", "/nonexistent"], "needs --speculative-draft-model-path"),
-    (["--num-scheduler-steps", "4"], "is for plain decoding"),              # the embedded default is EAGLE
     (["--num-scheduler-steps", "0", "--speculative-algorithm", "none"], "--num-scheduler-steps must be at least 1"),
 ])
 def test_contradictions_are_refused(flags, message, capsys):

@@ -24,6 +24,7 @@ CONFIGS = {
     "plain+4-steps": ["--speculative-algorithm", "none", "--num-scheduler-steps", "4"],
     "eagle+overlap": [],
     "eagle-no-overlap": ["--disable-overlap-schedule"],
+    "eagle+4-rounds": ["--num-scheduler-steps", "4"],
 }
 
 

@@ -1,11 +1,13 @@
-"""Multi-step plain decoding (--num-scheduler-steps): several decode steps a launch give plain
-decoding's outputs, and the scheduler around them keeps its contracts.
+"""Multi-step decoding (--num-scheduler-steps): several decode steps a launch give the outputs of
+one step a launch, and the scheduler around them keeps its contracts; for plain decoding, and for
+speculative decoding (several draft/verify rounds a launch).
 
 On plain data (the scheduler tests' fake device, which runs a multi-step batch's steps itself):
 exact outputs with and without overlap, EOS and stop ids inside a run, retraction under KV
 pressure, the context limit, a new prompt not waiting behind more than the launch in flight,
 everything freed. On the embedded model, in-process: greedy, seeded sampling and logprobs equal
-to plain decoding for requests of different lengths and limits side by side."""
+to plain decoding for requests of different lengths and limits side by side; every speculative
+algorithm's rounds equal its one-step launches (and its greedy, plain greedy decoding)."""
 from __future__ import annotations
 
 import random
@@ -16,6 +18,7 @@ from engine.kv_pool import KVPool
 from engine.messages import SamplingParams
 from engine.multi_step import MultiStepDecoding
 from engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from spec.policy import SpeculativeDecoding
 from tests.test_scheduler import FakeDevice, drive, expected
 
 
@@ -162,6 +165,81 @@ def test_retraction_under_kv_pressure_recomputes_exactly(overlap):
     assert sched.pool.used_slots == 0
 
 
+# ---- speculative rounds, on plain data ---------------------------------------------------
+
+class RoundsDevice(FakeDevice):
+    """FakeDevice for speculative batches (run without overlap: the device reads each request's last
+    token on the host): each round accepts a random number of the chain's drafts, every position a
+    round may write must have its slot-table entry."""
+
+    def __init__(self, seed: int, table_width: int):
+        super().__init__()
+        self.rng = random.Random(seed)
+        self.table_width = table_width          # the runner's: the context and two steps of k+1
+        self.rounds = []
+
+    def run(self, batch):
+        assert all(pos < self.table_width for pos in batch.table_pos), "a slot past the slot table"
+        if not batch.is_spec_decode:
+            return super().run(batch)
+        for row, pos, slot in zip(batch.table_rows, batch.table_pos, batch.table_slots):
+            self.table[row, pos] = slot
+        outputs = []
+        for _ in range(batch.steps):
+            self.rounds.append(batch.steps)
+            runs = []
+            for i, seq in enumerate(batch.seqs):
+                last = outputs[-1].tokens[i][-1] if outputs else seq.req.all_ids[-1]
+                kv_len = len(seq.req.all_ids) - 1 + sum(len(out.tokens[i]) for out in outputs)
+                for pos in range(kv_len, kv_len + batch.chain + 1):
+                    assert (seq.row, pos) in self.table, "a round writes a position without a slot"
+                    assert pos < self.table_width, "a round writes past the slot table"
+                run = []
+                for _ in range(1 + self.rng.randrange(batch.chain + 1)):
+                    last = (last + 1) % 50 if last != 48 else 0
+                    run.append(last)
+                runs.append(run)
+            outputs.append(StepOutput(tokens=runs))
+        return StepOutput.joined(outputs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_speculative_rounds_give_back_what_they_do_not_accept(seed):
+    """Rounds accept at random; requests end inside launches (max_tokens, EOS); the KV bound comes
+    back to the exact length and everything is freed; each request counts its rounds as verify steps."""
+    import tests.test_scheduler as plain
+    config = SchedulerConfig(max_running_requests=8, max_queued_requests=100, max_prefill_tokens=128,
+                             chunked_prefill_size=64, context_length=300, future_slots=18)
+    sched = Scheduler(config, KVPool(4096, 4, 8), eos_ids=frozenset({49}),
+                      policy=SpeculativeDecoding(spec_tokens=4, rounds=4))
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(6):
+        prompt = [rng.randrange(1, 40) for _ in range(rng.randrange(5, 120))]
+        ignore_eos = i % 2 == 0
+        sched.add(f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randrange(2, 200), temperature=0,
+                                                  ignore_eos=ignore_eos))
+        reqs.append((sched.requests[f"r{i}"], prompt, ignore_eos))
+    long_prompt = [1 + i % 40 for i in range(281)]            # ends at the context, 19 tokens in
+    sched.add("long", long_prompt, SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
+    reqs.append((sched.requests["long"], long_prompt, True))
+    original, plain.FakeDevice = plain.FakeDevice, lambda: RoundsDevice(seed, 300 + 2 * 4 + 1)
+    try:
+        device = drive(sched, overlap=False, max_steps=3000)
+    finally:
+        plain.FakeDevice = original
+    assert max(device.rounds) > 1
+    for req, prompt, ignore_eos in reqs:
+        want = expected(prompt, req.params.max_new_tokens)
+        if not ignore_eos and 49 in want:
+            want = want[:want.index(49) + 1]
+        want = want[:config.context_length - len(prompt)]
+        assert req.output_ids == want
+        assert req.decode.extra_rounds == 0 and req.decode.drafting == 0
+    assert reqs[-1][0].finish_reason == "length" and len(reqs[-1][0].output_ids) == 19
+    assert sched.pool.used_slots == 0 and len(sched.pool.free_rows) == 8
+
+
 # ---- the embedded model ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -173,10 +251,10 @@ def prompts():
     return [tok.encode(p) for p in CODE_PROMPTS[:4]]
 
 
-async def outputs(flags: list[str], prompts: list[list[int]], params: list[SamplingParams]):
+async def outputs(flags: list[str], prompts: list[list[int]], params: list[SamplingParams], algorithm: str = "none"):
     from tests.server_harness import DENSE
     from tests.test_engine_core import Engine
-    engine = Engine(["--model-path", str(DENSE), "--speculative-algorithm", "none", "--max-total-tokens", "4096",
+    engine = Engine(["--model-path", str(DENSE), "--speculative-algorithm", algorithm, "--max-total-tokens", "4096",
                      "--max-running-requests", "4"] + flags)
     try:
         reqs = [engine.add(f"r{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
@@ -184,6 +262,7 @@ async def outputs(flags: list[str], prompts: list[list[int]], params: list[Sampl
         engine.core.launch_observers.append(lambda flight: steps.append(flight.batch.steps))
         await engine.finish()
         assert (max(steps) > 1) == ("--num-scheduler-steps" in flags)
+        assert engine.core.scheduler.pool.used_slots == 0
         return [(r.output_ids, r.output_logprobs, r.output_top_logprobs, r.finish_reason) for r in reqs]
     finally:
         engine.close()
@@ -204,3 +283,20 @@ async def test_the_embedded_model_decodes_as_plain_decoding(overlap, prompts):
     cut = await outputs(overlap + ["--num-scheduler-steps", "4"], prompts, params)
     stop_at = plain[0][0].index(greedy_stop)
     assert cut[0][0] == plain[0][0][:stop_at + 1] and cut[0][3] == "stop"
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram", "standalone"])
+async def test_speculative_rounds_decode_as_one_step_launches(algorithm, prompts):
+    """Greedy (with logprobs, and a limit inside a launch) and seeded sampling: the same outputs with
+    four rounds a launch as with one; the greedy rows are plain greedy decoding's."""
+    params = [SamplingParams(max_new_tokens=37, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=26, temperature=0.7, seed=2**40 + 1, ignore_eos=True, logprobs=0)]
+    one = await outputs([], prompts, params, algorithm)
+    rounds = await outputs(["--num-scheduler-steps", "4"], prompts, params, algorithm)
+    assert rounds == one
+    greedy = [SamplingParams(max_new_tokens=p.max_new_tokens, temperature=0, ignore_eos=True) for p in params]
+    plain = await outputs([], prompts, greedy)
+    assert [o[0] for o in await outputs(["--num-scheduler-steps", "4"], prompts, greedy, algorithm)] == \
+        [o[0] for o in plain]
