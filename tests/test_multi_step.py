@@ -285,18 +285,21 @@ async def test_the_embedded_model_decodes_as_plain_decoding(overlap, prompts):
     assert cut[0][0] == plain[0][0][:stop_at + 1] and cut[0][3] == "stop"
 
 
-@pytest.mark.parametrize("algorithm", ["eagle", "ngram", "standalone"])
-async def test_speculative_rounds_decode_as_one_step_launches(algorithm, prompts):
+@pytest.mark.parametrize("algorithm,flags", [("eagle", []), ("ngram", []), ("standalone", []),
+                                             ("eagle", ["--enable-cpu-graph"])],
+                         ids=["eagle", "ngram", "standalone", "eagle-graphs"])
+async def test_speculative_rounds_decode_as_one_step_launches(algorithm, flags, prompts):
     """Greedy (with logprobs, and a limit inside a launch) and seeded sampling: the same outputs with
-    four rounds a launch as with one; the greedy rows are plain greedy decoding's."""
+    four rounds a launch as with one; the greedy rows are plain greedy decoding's. With graphs the
+    rounds' verify runs eagerly and their drafts replay captured steps of a wider key."""
     params = [SamplingParams(max_new_tokens=37, temperature=0, ignore_eos=True, logprobs=2),
               SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
               SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
               SamplingParams(max_new_tokens=26, temperature=0.7, seed=2**40 + 1, ignore_eos=True, logprobs=0)]
-    one = await outputs([], prompts, params, algorithm)
-    rounds = await outputs(["--num-scheduler-steps", "4"], prompts, params, algorithm)
+    one = await outputs(flags, prompts, params, algorithm)
+    rounds = await outputs(flags + ["--num-scheduler-steps", "4"], prompts, params, algorithm)
     assert rounds == one
     greedy = [SamplingParams(max_new_tokens=p.max_new_tokens, temperature=0, ignore_eos=True) for p in params]
     plain = await outputs([], prompts, greedy)
-    assert [o[0] for o in await outputs(["--num-scheduler-steps", "4"], prompts, greedy, algorithm)] == \
+    assert [o[0] for o in await outputs(flags + ["--num-scheduler-steps", "4"], prompts, greedy, algorithm)] == \
         [o[0] for o in plain]
