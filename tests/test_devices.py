@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 import pytest
@@ -223,6 +224,17 @@ def test_a_cpu_kv_cache_holds_memory_only_for_the_tokens_written():
     assert kv.k[3].is_contiguous() and kv.v[7].shape == (65536, 2, 64)
     assert float(kv.k[5][:1024].mean()) == 1.0 and float(kv.v[5][:1024].mean()) == 2.0
     assert not kv.k[5][1024:].any() and not kv.v[7][-8:].any()     # the rest reads as zeros
+
+
+def test_a_cpu_device_bounds_onednn_caches_unless_the_user_set_them(monkeypatch):
+    """torch's bf16 prompt products cache compiled oneDNN products per chunk length (1,024 by
+    default: 200+ MB of a bf16 rank's memory); the device sets a small bound before the model runs."""
+    from devices.cpu import ONEDNN_CACHE_ENTRIES, CpuDevice
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "100")
+    CpuDevice().close()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == ONEDNN_CACHE_ENTRIES
+    assert os.environ["LRU_CACHE_CAPACITY"] == "100"
 
 
 def test_the_http_front_starts_without_torch():
