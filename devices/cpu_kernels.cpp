@@ -99,6 +99,20 @@ inline Vec8 sum_lanes8(const Vec16 (&a)[8]) {
   return __builtin_shufflevector(w, w, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(w, w, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
+// A softmax's numerators in place: row[j] = e^((row[j] - max) * scale) for j < n; returns their sum
+// (callers divide by it where it suits them).
+inline float exp_shifted(float* row, int64_t n, float scale) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, row[j]);
+  float total = 0.f;
+_Pragma("omp simd reduction(+ : total)")
+  for (int64_t j = 0; j < n; ++j) {
+    row[j] = fast_exp((row[j] - top) * scale);
+    total += row[j];
+  }
+  return total;
+}
+
 // out = weight * (x / rms(x)), normalized in float32 and rounded to the input dtype before the
 // weight (as the pure-torch RMSNorm and Hugging Face do).
 template <typename T>
@@ -265,15 +279,7 @@ void attend_by_products(const float* const* query, int64_t n_rows, int64_t group
   for (int64_t r = 0; r < n_rows; ++r) {
     float* row = sp + r * keys;
     const int64_t visible = first + r / group + 1;
-    float top = -INFINITY;
-    for (int64_t j = 0; j < visible; ++j) top = std::max(top, row[j]);
-    float total = 0.f;
-_Pragma("omp simd reduction(+ : total)")
-    for (int64_t j = 0; j < visible; ++j) {
-      row[j] = fast_exp((row[j] - top) * softmax_scale);
-      total += row[j];
-    }
-    const float norm = 1.f / total;
+    const float norm = 1.f / exp_shifted(row, visible, softmax_scale);
     for (int64_t j = 0; j < visible; ++j) row[j] *= norm;
     for (int64_t j = visible; j < keys; ++j) row[j] = 0.f;
   }
@@ -312,14 +318,7 @@ void attend_in_registers(const float* const* query, int64_t n_rows, int64_t grou
       const Vec8 dots = sum_lanes8(part);
       for (int64_t i = 0; i < block; ++i) row[j + i] = dots[i] * softmax_scale;
     }
-    float top = -INFINITY;
-    for (int64_t j = 0; j < visible; ++j) top = std::max(top, row[j]);
-    float total = 0.f;
-_Pragma("omp simd reduction(+ : total)")
-    for (int64_t j = 0; j < visible; ++j) {
-      row[j] = fast_exp(row[j] - top);
-      total += row[j];
-    }
+    const float total = exp_shifted(row, visible, 1.f);      // the dots are scaled already
     Vec16 acc[NV] = {};
     for (int64_t j = 0; j < visible; ++j) {
       const T* v_row = values + slots[j] * stride;
@@ -461,15 +460,7 @@ _Pragma("omp simd reduction(+ : dot)")
       for (int64_t r = 0; r < n_rows; ++r) {
         const int64_t visible = first + r / group + 1;
         float* row = scores.data() + r * keys;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < visible; ++j) top = std::max(top, row[j]);
-        float total = 0.f;
-_Pragma("omp simd reduction(+ : total)")
-        for (int64_t j = 0; j < visible; ++j) {
-          row[j] = fast_exp(row[j] - top);
-          total += row[j];
-        }
-        const float norm = 1.f / total;
+        const float norm = 1.f / exp_shifted(row, visible, 1.f);
         for (int64_t j = 0; j < visible; ++j) row[j] *= norm;
       }
       for (int64_t j = 0; j < keys; ++j) {
@@ -482,10 +473,8 @@ _Pragma("omp simd")
           for (int64_t d = 0; d < dim; ++d) a[d] += p * to_float(v[d]);
         }
       }
-      for (int64_t r = 0; r < n_rows; ++r) {
-        T* o = dst + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[r * dim + d]);
-      }
+      for (int64_t r = 0; r < n_rows; ++r)
+        for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = static_cast<T>(acc[r * dim + d]);
     }
   });
 }
