@@ -26,6 +26,9 @@ DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # standalone: on a CPU its 2-layer draft pays only for one request at a time (README "Performance",
 # bench/results/standalone_off.txt); on a GPU, where a draft step is cheap next to the target, pass a
 # larger N or 0.
+# Decode steps a launch may run on the CPU when --num-scheduler-steps is not given; --max-launch-ms
+# caps what one launch takes (README "Performance": multi-step decoding against llama.cpp).
+CPU_SCHEDULER_STEPS = 16
 DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 2, "ngram": 0}
 
 
@@ -132,11 +135,16 @@ class ServerArgs:
     enable_cpu_graph: bool = flag(False, "On the CPU, run decode, verify and draft steps through the graph runner "
                                          "too (static buffers replayed eagerly, padded to the capture sizes, whole "
                                          "chains): the CI path of CUDA/NPU graphs, not a speed-up.")
-    num_scheduler_steps: int = flag(1, "When no prompt is waiting, run up to N decode steps in one launch (vLLM's "
-                                       "name): plain decoding feeds each row its own last token, speculative "
-                                       "decoding drafts and verifies N times from what each round accepted. The "
-                                       "rank loop, the front and the client then work once per launch; a new "
-                                       "prompt waits for the launch in flight.")
+    num_scheduler_steps: int | None = flag(None, "When no prompt is waiting, run up to N decode steps in one launch "
+                                                 "(vLLM's name): plain decoding feeds each row its own last token, "
+                                                 "speculative decoding drafts and verifies N times from what each "
+                                                 "round accepted. The rank loop, the front and the client then work "
+                                                 "once per launch. Default: 16 on the CPU (where that work shares "
+                                                 "the cores with the forward), 1 on accelerators, with DP "
+                                                 "attention and with --enable-cpu-graph.")
+    max_launch_ms: float = flag(20.0, "A launch of several steps runs only as many as fit in this many milliseconds "
+                                      "(by the measured time of a step of its size): a new prompt, an abort or a "
+                                      "stream waits at most that long for it. 0: no cap.")
     stream_interval: int = flag(1, "Stream output to the client once at least N new tokens are ready (and at the end).")
     max_request_bytes: int = flag(16 * 1024 * 1024, "Largest HTTP request body accepted; larger ones get 413.")
     max_rank_restarts: int = flag(3, "Rank processes that die are restarted; after this many deaths within 10 "
@@ -231,9 +239,11 @@ class ServerArgs:
                              "--stream-interval and --dp-size must be positive")
 
     def validate_multi_step(self) -> None:
-        if self.num_scheduler_steps < 1:
+        if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
             raise ValueError("--num-scheduler-steps must be at least 1")
-        if self.num_scheduler_steps > 1 and self.enable_dp_attention:
+        if not self.max_launch_ms >= 0:
+            raise ValueError("--max-launch-ms must be at least 0")
+        if (self.num_scheduler_steps or 1) > 1 and self.enable_dp_attention:
             raise ValueError("--num-scheduler-steps does not combine with --enable-dp-attention (the group steps "
                              "one token at a time)")
 
@@ -276,6 +286,13 @@ class ServerArgs:
         if self.token_map_given and self.spec_algorithm not in ("eagle", "eagle3"):
             raise ValueError(f"--speculative-token-map applies to EAGLE / EAGLE-3 heads, not to "
                              f"--speculative-algorithm {self.spec_algorithm}")
+
+    def scheduler_steps(self, device_name: str) -> int:
+        """--num-scheduler-steps, or its default on this device."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        cpu_eager = device_name == "cpu" and not self.enable_cpu_graph     # the graph path stands in for CUDA's
+        return CPU_SCHEDULER_STEPS if cpu_eager and not self.enable_dp_attention else 1
 
     @property
     def enable_overlap(self) -> bool:

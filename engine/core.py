@@ -202,6 +202,7 @@ class EngineCore:
         self.last_awaited = flight
         if flight.void or flight.batch.idle:
             return []
+        self.scheduler.policy.observe_launch(flight.batch, flight.launched.finished - flight.launched.started)
         start = time.perf_counter()
         try:
             output = result.output()

@@ -14,7 +14,8 @@ its own, freed slots).
 
 Whenever a prompt can make progress (Scheduler.prefill_ready) the decodes go one token each, in
 the same batch as the prompt chunks, as plain decoding does: a new prompt waits at most for the
-multi-step launch in flight.
+multi-step launch in flight, which runs only as many steps as fit in --max-launch-ms
+(engine/launch_budget.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.batch import ScheduledBatch, SeqWork
+from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.request import Request
 
@@ -36,8 +38,9 @@ class MultiStepRecord:
 
 
 class MultiStepDecoding(DecodePolicy):
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, budget: LaunchBudget | None = None):
         self.steps = steps
+        self.budget = budget or LaunchBudget(0)     # the steps that fit in --max-launch-ms
         self.growth = steps                  # KV positions one decode step may add (reservations, make_room_for)
 
     def new_record(self) -> MultiStepRecord:
@@ -54,13 +57,14 @@ class MultiStepDecoding(DecodePolicy):
         return True
 
     def batch_steps(self, sched: "Scheduler", decodes: list[Request]) -> int:
-        """Steps of the next batch: at most N, no more than any of its requests can still emit, and
-        never past a request's context (its KV positions must exist)."""
+        """Steps of the next batch: at most N and what fits in the launch budget, no more than any
+        of its requests can still emit, and never past a request's context (its KV positions must
+        exist)."""
         wanted = [self.tokens_wanted(sched, req) for req in decodes]
         if not wanted or max(wanted) < 2:
             return 0
         room = min(sched.config.context_length - req.kv_len for req in decodes)
-        return min(self.steps, max(wanted), room)
+        return min(self.steps, self.budget.steps(len(decodes)), max(wanted), room)
 
     def tokens_wanted(self, sched: "Scheduler", req: Request) -> int:
         """Tokens the request can still emit beyond those in flight (every launched step emits one,
@@ -81,3 +85,7 @@ class MultiStepDecoding(DecodePolicy):
 
     def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         seq.req.decode.extra_in_flight -= batch.steps - 1
+
+    def observe_launch(self, batch: ScheduledBatch, seconds: float) -> None:
+        if batch.seqs and all(seq.decode for seq in batch.seqs):       # decodes alone: no prompt chunk in it
+            self.budget.observe(len(batch.seqs), 0, batch.steps, seconds)

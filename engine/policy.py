@@ -61,6 +61,9 @@ class DecodePolicy:
     def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         """A sampling sequence of a voided batch: its output will never be processed."""
 
+    def observe_launch(self, batch: ScheduledBatch, seconds: float) -> None:
+        """A launched batch ran for `seconds` of device time (engine/launch_budget.py learns from it)."""
+
     def on_retract(self, req: Request) -> None:
         """The request lost its KV and will recompute from its prompt and outputs."""
 

@@ -24,6 +24,7 @@ from engine.messages import (AbortRequest, AddRequest, KvLayer, PrefillDone, Ran
                              RequestRejected, Shutdown, TokenDelta)
 from engine.model_runner import ModelRunner
 from engine.request import Request
+from engine.launch_budget import LaunchBudget
 from engine.multi_step import MultiStepDecoding
 from engine.policy import DecodePolicy, PlainDecoding
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -45,10 +46,14 @@ def scheduler_config(args: ServerArgs, runner: ModelRunner, future_slots: int) -
 
 def decode_policy(args: ServerArgs, runner: ModelRunner) -> DecodePolicy:
     """The CPU side of how the runner decodes: plainly, or with its speculative worker."""
+    steps, budget = args.scheduler_steps(runner.device.name), LaunchBudget(args.max_launch_ms / 1000)
+    log.info("decode launches: %s", "one step each" if steps == 1 else
+             f"up to {steps} steps each while no prompt waits" +
+             (f", as many as fit in {args.max_launch_ms:g} ms" if args.max_launch_ms else ""))
     if runner.worker is None:
-        return MultiStepDecoding(args.num_scheduler_steps) if args.num_scheduler_steps > 1 else PlainDecoding()
+        return MultiStepDecoding(steps, budget) if steps > 1 else PlainDecoding()
     return SpeculativeDecoding(runner.spec_tokens, args.spec_off_batch_size, runner.worker.catches_up,
-                               rounds=args.num_scheduler_steps)
+                               rounds=steps, budget=budget)
 
 
 def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None,

@@ -37,10 +37,12 @@ its catch-up reads. A plain decode is such a skipped last chunk, so the same rul
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.batch import ScheduledBatch, SeqWork, SpecPlan
+from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.request import Request, Status
 
@@ -63,9 +65,11 @@ class SpecRecord:
 
 
 class SpeculativeDecoding(DecodePolicy):
-    def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False, rounds: int = 1):
+    def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False, rounds: int = 1,
+                 budget: LaunchBudget | None = None):
         self.spec_tokens = spec_tokens          # k+1 positions per speculative step
         self.rounds = rounds                    # most speculative steps a launch (--num-scheduler-steps)
+        self.budget = budget or LaunchBudget(0)     # and those that fit in --max-launch-ms
         self.growth = spec_tokens * rounds      # KV positions one decode launch may add
         self.off_batch_size = off_batch_size    # decode batches this large draft nothing (0: always draft)
         self.catches_up = draft_catches_up      # the draft can skip prefill chunks and read them later
@@ -117,12 +121,24 @@ class SpeculativeDecoding(DecodePolicy):
 
     def batch_rounds(self, sched: "Scheduler", decodes: list[Request], chain: int, most_wanted: int) -> int:
         """Speculative steps of the launch: up to `rounds` for a drafting batch (no prompt is waiting:
-        plan_decodes runs only then), no more than its requests can use (each round emits at least
-        one token), and never a position past the context."""
+        plan_decodes runs only then) and what fits in the launch budget, no more than its requests
+        can use (each round emits at least one token) or are likely to (rounds_likely), and never a
+        position past the context."""
         if self.rounds < 2 or chain == 0:
             return 1
         room = min(sched.config.context_length - req.kv_len for req in decodes) // (chain + 1)
-        return max(1, min(self.rounds, most_wanted, room))
+        likely = max(self.rounds_likely(sched, req) for req in decodes)
+        return max(1, min(self.rounds, self.budget.steps(len(decodes), chain), most_wanted, likely, room))
+
+    def rounds_likely(self, sched: "Scheduler", req: Request) -> int:
+        """Rounds the request is likely to use: what it can still emit, less what its rounds in
+        flight are likely to emit, at the mean run a round emitted for it so far. A round past its
+        end only holds up the batch behind (a launch planned on the one in flight, with overlap,
+        cannot know that the request ends in it): such a launch gets one round, as without rounds."""
+        record = req.decode
+        run = max(1.0, (len(req.output_ids) - 1) / record.verify_steps) if record.verify_steps else 1.0
+        left = min(req.params.max_new_tokens - len(req.output_ids), sched.config.context_length - req.known_len)
+        return max(1, math.ceil(left / run - req.pending - record.extra_rounds))
 
     def chain_length(self, decodes: list[Request], most_wanted: int) -> int:
         """Draft tokens per request: none under load and, for an all-greedy batch, never more than
@@ -205,6 +221,10 @@ class SpeculativeDecoding(DecodePolicy):
         if batch.is_spec_decode:
             seq.req.decode.drafting -= batch.chain > 0
             seq.req.decode.extra_rounds -= batch.steps - 1
+
+    def observe_launch(self, batch: ScheduledBatch, seconds: float) -> None:
+        if batch.is_spec_decode:
+            self.budget.observe(len(batch.seqs), batch.chain, batch.steps, seconds)
 
     def on_retract(self, req: Request) -> None:
         req.decode.draft_lag = req.decode.draft_end = 0

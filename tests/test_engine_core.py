@@ -26,7 +26,9 @@ from tests.server_harness import DENSE, MOE, REPO
 NEW_TOKENS = 28
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, top_p=0.95, seed=2**40 + 3, ignore_eos=True)
-BASE = ["--model-path", str(DENSE), "--max-total-tokens", "4096", "--max-running-requests", "4"]
+# one step a launch: a request's verify steps are then the same however its launches fall
+BASE = ["--model-path", str(DENSE), "--max-total-tokens", "4096", "--max-running-requests", "4",
+        "--num-scheduler-steps", "1"]
 
 
 @pytest.fixture(scope="module")

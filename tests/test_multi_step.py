@@ -15,6 +15,7 @@ import random
 import pytest
 
 from engine.kv_pool import KVPool
+from engine.launch_budget import LaunchBudget
 from engine.messages import SamplingParams
 from engine.multi_step import MultiStepDecoding
 from engine.scheduler import Scheduler, SchedulerConfig, StepOutput
@@ -240,6 +241,82 @@ def test_speculative_rounds_give_back_what_they_do_not_accept(seed):
     assert sched.pool.used_slots == 0 and len(sched.pool.free_rows) == 8
 
 
+class EveryDraftAccepted:
+    def randrange(self, n: int) -> int:
+        return n - 1
+
+
+def test_a_launch_runs_the_rounds_a_request_is_likely_to_use():
+    """Every draft accepted (five tokens a round): after a launch of eight rounds, 19 tokens are
+    left, and the next launch runs the four rounds they likely take, not eight (the rounds after
+    a request's end would only hold up the batch behind)."""
+    config = SchedulerConfig(max_running_requests=4, max_queued_requests=10, max_prefill_tokens=128,
+                             chunked_prefill_size=64, context_length=300, future_slots=10)
+    sched = Scheduler(config, KVPool(1024, 1, 4), eos_ids=frozenset({49}),
+                      policy=SpeculativeDecoding(spec_tokens=5, rounds=8))
+    sched.add("a", [1, 2, 3], SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True))
+    req, device, rounds = sched.requests["a"], RoundsDevice(0, 300 + 2 * 5 * 8 + 1), []
+    device.rng = EveryDraftAccepted()
+    while sched.has_work:
+        batch = sched.schedule()
+        if batch.is_spec_decode:
+            rounds.append(batch.steps)
+        sched.process(batch, device.run(batch))
+    assert rounds == [8, 4]
+    assert req.output_ids == expected([1, 2, 3], 60)
+
+
+def test_the_launch_budget_learns_steps_per_size():
+    ms = 1e-3
+    budget = LaunchBudget(20 * ms)
+    assert budget.steps(1) == 1                              # nothing measured: one step, which measures it
+    budget.observe(rows=2, chain=0, steps=1, seconds=300 * ms)     # a slow first launch ...
+    assert budget.steps(2) == 1
+    budget.observe(rows=2, chain=0, steps=4, seconds=8 * ms)
+    budget.observe(rows=2, chain=0, steps=8, seconds=16 * ms)
+    assert budget.steps(2) == 10                             # ... is outvoted: 2 ms a step
+    assert budget.steps(1) == 10                             # a smaller size: the nearest larger one's time
+    assert budget.steps(8) == 2                              # a larger one: scaled up, 8 ms a step
+    budget.observe(rows=8, chain=0, steps=2, seconds=10 * ms)
+    assert budget.steps(8) == 4 and budget.steps(5) == 4
+    assert budget.steps(2, chain=4) == 1                     # speculative steps are measured apart
+    assert LaunchBudget(0).steps(64) > 1000                  # 0: no cap
+
+
+def test_launches_run_the_steps_that_fit_the_budget():
+    """A lone request: one-step launches until a step is measured, then what fits in 10 ms at
+    the measured 2.5 ms a step (four), whatever --num-scheduler-steps allows beyond."""
+    sched = make(steps=16)
+    sched.policy.budget = LaunchBudget(10e-3)
+    sched.add("a", [1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    req, device, seen = sched.requests["a"], MultiStepDevice(), []
+    while sched.has_work:
+        batch = sched.schedule()
+        seen.append(batch.steps)
+        sched.process(batch, device.run(batch))
+        sched.policy.observe_launch(batch, 2.5e-3 * batch.steps)
+    assert seen == [1, 1] + [4] * 9 + [2]       # the prefill's token, one step measured, 38 more
+    assert req.output_ids == expected([1, 2, 3], 40)
+
+
+def test_speculative_rounds_fit_the_budget():
+    """Rounds of a draft/verify step measured at 4 ms: two fit in 10 ms, of the eight allowed."""
+    config = SchedulerConfig(max_running_requests=4, max_queued_requests=10, max_prefill_tokens=128,
+                             chunked_prefill_size=64, context_length=300, future_slots=10)
+    sched = Scheduler(config, KVPool(1024, 1, 4), eos_ids=frozenset({49}),
+                      policy=SpeculativeDecoding(spec_tokens=4, rounds=8, budget=LaunchBudget(10e-3)))
+    sched.add("a", [1, 2, 3], SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True))
+    req, device, rounds = sched.requests["a"], RoundsDevice(0, 300 + 2 * 4 * 8 + 1), []
+    while sched.has_work:
+        batch = sched.schedule()
+        if batch.is_spec_decode:
+            rounds.append(batch.steps)
+        sched.process(batch, device.run(batch))
+        sched.policy.observe_launch(batch, 4e-3 * batch.steps)
+    assert rounds[0] == 1 and max(rounds) == 2 and rounds.count(2) >= len(rounds) - 3
+    assert req.output_ids == expected([1, 2, 3], 60)
+
+
 # ---- the embedded model ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -249,6 +326,15 @@ def prompts():
     from tests.server_harness import DENSE
     tok = AutoTokenizer.from_pretrained(DENSE)
     return [tok.encode(p) for p in CODE_PROMPTS[:4]]
+
+
+def scheduler_steps(flags: list[str]) -> int:
+    """Steps a launch may run with these flags (on the CPU: 16 when not given)."""
+    return int(flags[flags.index("--num-scheduler-steps") + 1]) if "--num-scheduler-steps" in flags else 16
+
+
+ONE_STEP = ["--num-scheduler-steps", "1"]
+FOUR_STEPS = ["--num-scheduler-steps", "4", "--max-launch-ms", "0"]       # four whatever a step takes
 
 
 async def outputs(flags: list[str], prompts: list[list[int]], params: list[SamplingParams], algorithm: str = "none"):
@@ -261,7 +347,7 @@ async def outputs(flags: list[str], prompts: list[list[int]], params: list[Sampl
         steps = []
         engine.core.launch_observers.append(lambda flight: steps.append(flight.batch.steps))
         await engine.finish()
-        assert (max(steps) > 1) == ("--num-scheduler-steps" in flags)
+        assert (max(steps) > 1) == (scheduler_steps(flags) > 1)
         assert engine.core.scheduler.pool.used_slots == 0
         return [(r.output_ids, r.output_logprobs, r.output_top_logprobs, r.finish_reason) for r in reqs]
     finally:
@@ -275,12 +361,13 @@ async def test_the_embedded_model_decodes_as_plain_decoding(overlap, prompts):
               SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
               SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
               SamplingParams(max_new_tokens=26, temperature=0.7, seed=2**40 + 1, ignore_eos=True, logprobs=0)]
-    plain = await outputs(overlap, prompts, params)
-    multi = await outputs(overlap + ["--num-scheduler-steps", "4"], prompts, params)
+    plain = await outputs(overlap + ONE_STEP, prompts, params)
+    multi = await outputs(overlap + FOUR_STEPS, prompts, params)
     assert multi == plain
+    assert await outputs(overlap, prompts, params) == plain        # the CPU's default: 16 steps within 20 ms
     greedy_stop = plain[0][0][9]            # a stop id the greedy row meets: its run is cut there
     params[0] = SamplingParams(max_new_tokens=37, temperature=0, stop_token_ids=(greedy_stop,))
-    cut = await outputs(overlap + ["--num-scheduler-steps", "4"], prompts, params)
+    cut = await outputs(overlap + FOUR_STEPS, prompts, params)
     stop_at = plain[0][0].index(greedy_stop)
     assert cut[0][0] == plain[0][0][:stop_at + 1] and cut[0][3] == "stop"
 
@@ -296,10 +383,10 @@ async def test_speculative_rounds_decode_as_one_step_launches(algorithm, flags, 
               SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
               SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True),
               SamplingParams(max_new_tokens=26, temperature=0.7, seed=2**40 + 1, ignore_eos=True, logprobs=0)]
-    one = await outputs(flags, prompts, params, algorithm)
-    rounds = await outputs(flags + ["--num-scheduler-steps", "4"], prompts, params, algorithm)
+    one = await outputs(flags + ONE_STEP, prompts, params, algorithm)
+    rounds = await outputs(flags + FOUR_STEPS, prompts, params, algorithm)
     assert rounds == one
     greedy = [SamplingParams(max_new_tokens=p.max_new_tokens, temperature=0, ignore_eos=True) for p in params]
-    plain = await outputs([], prompts, greedy)
-    assert [o[0] for o in await outputs(flags + ["--num-scheduler-steps", "4"], prompts, greedy, algorithm)] == \
+    plain = await outputs(ONE_STEP, prompts, greedy)
+    assert [o[0] for o in await outputs(flags + FOUR_STEPS, prompts, greedy, algorithm)] == \
         [o[0] for o in plain]

@@ -29,7 +29,8 @@ NEW_TOKENS = 24
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 BASE_FLAGS = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--context-length", "512",
               "--chunked-prefill-size", "16", "--speculative-num-steps", str(K),
-              "--speculative-disable-by-batch-size", "0"]      # always draft, unless a test says otherwise
+              "--speculative-disable-by-batch-size", "0",      # always draft, unless a test says otherwise
+              "--num-scheduler-steps", "1"]    # each step observed on its own (rounds: tests/test_multi_step.py)
 
 
 # ---- checkpoints ---------------------------------------------------------------------
