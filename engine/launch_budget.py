@@ -41,6 +41,8 @@ class LaunchBudget:
         return 1 if per_step is None else max(1, int(self.seconds / per_step))
 
     def estimate(self, rows: int, chain: int) -> float | None:
+        if (rows, chain) in self.recent:            # the usual case: a size seen before
+            return self.per_step_of(rows, chain)
         sizes = [r for r, c in self.recent if c == chain]
         larger = [r for r in sizes if r >= rows]
         if larger:

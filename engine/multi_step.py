@@ -69,8 +69,7 @@ class MultiStepDecoding(DecodePolicy):
     def tokens_wanted(self, sched: "Scheduler", req: Request) -> int:
         """Tokens the request can still emit beyond those in flight (every launched step emits one,
         a multi-step batch N unless the request finishes inside it)."""
-        left = min(req.params.max_new_tokens - len(req.output_ids), sched.config.context_length - req.known_len)
-        return left - req.pending - req.decode.extra_in_flight
+        return sched.tokens_left(req) - req.pending - req.decode.extra_in_flight
 
     def feed_steps(self, sched: "Scheduler", batch: ScheduledBatch, req: Request, steps: int) -> None:
         """One token fed as a plain decode would be (its noise key is the first step's); the steps

@@ -270,6 +270,11 @@ class Scheduler:
         batch.seqs.append(seq)
         self.policy.on_fed(batch, seq)
 
+    def tokens_left(self, req: Request) -> int:
+        """Tokens the request may still emit, counting only those processed: up to max_tokens and
+        the context."""
+        return min(req.params.max_new_tokens - len(req.output_ids), self.config.context_length - req.known_len)
+
     def take_future(self) -> int:
         """Ring of future-map slots; slot 0 is never used (-0 is not a reference)."""
         self.next_future = self.next_future % (self.config.future_slots - 1) + 1

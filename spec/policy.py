@@ -116,8 +116,7 @@ class SpeculativeDecoding(DecodePolicy):
 
     def tokens_wanted(self, sched: "Scheduler", req: Request) -> int:
         """Most tokens the request can still emit, given that every step in flight emits at least one."""
-        return min(req.params.max_new_tokens - len(req.output_ids),
-                   sched.config.context_length - req.known_len) - req.pending - req.decode.extra_rounds
+        return sched.tokens_left(req) - req.pending - req.decode.extra_rounds
 
     def batch_rounds(self, sched: "Scheduler", decodes: list[Request], chain: int, most_wanted: int) -> int:
         """Speculative steps of the launch: up to `rounds` for a drafting batch (no prompt is waiting:
@@ -137,8 +136,7 @@ class SpeculativeDecoding(DecodePolicy):
         cannot know that the request ends in it): such a launch gets one round, as without rounds."""
         record = req.decode
         run = max(1.0, (len(req.output_ids) - 1) / record.verify_steps) if record.verify_steps else 1.0
-        left = min(req.params.max_new_tokens - len(req.output_ids), sched.config.context_length - req.known_len)
-        return max(1, math.ceil(left / run - req.pending - record.extra_rounds))
+        return max(1, math.ceil(sched.tokens_left(req) / run - req.pending - record.extra_rounds))
 
     def chain_length(self, decodes: list[Request], most_wanted: int) -> int:
         """Draft tokens per request: none under load and, for an all-greedy batch, never more than
