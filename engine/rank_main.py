@@ -14,6 +14,7 @@ import torch
 from devices.base import create_device
 from engine.args import ServerArgs
 from engine.messages import RankReady, ToRank
+from engine.models.loader import read_target_config
 from engine.core import EngineBroken
 from engine.dp import DpGroup, GroupBroken
 from engine.event_loop import exit_now, run_main
@@ -55,8 +56,7 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
         if args.enable_dp_attention else None
     channel = await connect_front(socket_path)
     # eos ids come from the checkpoint's own config files
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(args.model_path)
+    config = read_target_config(args.model_path)
     worker = Rank(args, rank, device, channel, eos_token_ids(args.model_path, config), dp)
     # SIGTERM (a process-group kill, say): the front drives the shutdown; stop anyway if it never does
     loop = asyncio.get_running_loop()

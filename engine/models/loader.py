@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 from safetensors import safe_open
 
+from engine.models.config import ConfigError, target_config
 from engine.models.base import ARCHITECTURES, CausalLM, DraftHead, model_class
 from devices.cpu_native import cpu_kernels as load_cpu_kernels
 from engine.models.layers import stack_projections, use_cpu_kernels
@@ -55,17 +56,13 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                cpu_kernels: str = "auto", quantization: str | None = None) -> tuple[CausalLM, object]:
-    """Target model and its transformers config from a local HF checkpoint folder. cpu_kernels: on
-    the CPU, whether the layers run the native kernels (devices/cpu_native.py); quantization: of the
-    weights after loading (engine/models/quant.py)."""
-    from transformers import AutoConfig
-
+    """Target model and its config (engine/models/config.py) from a local HF checkpoint folder.
+    cpu_kernels: on the CPU, whether the layers run the native kernels (devices/cpu_native.py);
+    quantization: of the weights after loading (engine/models/quant.py)."""
     folder = Path(path)
-    cls = architecture_class(folder)
-    if issubclass(cls, DraftHead):
-        raise CheckpointError(f"{folder} holds a draft head ({cls.__name__}); load it with load_draft()")
-    config = AutoConfig.from_pretrained(folder)
-    model = build_and_load(cls, config, folder, resolve_dtype(dtype, device), device, cpu_kernels, quantization)
+    config = read_target_config(folder)
+    model = build_and_load(architecture_class(folder), config, folder, resolve_dtype(dtype, device), device,
+                           cpu_kernels, quantization)
     quantize_lm_head(model, quantization)
     use_cpu_kernels(model, model.kernels)
     return model, config
@@ -120,6 +117,17 @@ def read_config_json(folder: Path) -> dict:
     if not config_file.is_file():
         raise CheckpointError(f"no config.json in {folder}")
     return json.loads(config_file.read_text())
+
+
+def read_target_config(folder: str | Path) -> SimpleNamespace:
+    """A target's config.json with the defaults transformers would give it (engine/models/config.py)."""
+    cls = architecture_class(Path(folder))
+    if issubclass(cls, DraftHead):
+        raise CheckpointError(f"{folder} holds a draft head ({cls.__name__}); load it with load_draft()")
+    try:
+        return target_config(read_config_json(Path(folder)))
+    except ConfigError as exc:
+        raise CheckpointError(f"{folder}: {exc}") from exc
 
 
 def architecture_class(folder: Path) -> type:
