@@ -121,12 +121,16 @@ class SpeculativeDecoding(DecodePolicy):
     def batch_rounds(self, sched: "Scheduler", decodes: list[Request], chain: int, most_wanted: int) -> int:
         """Speculative steps of the launch: up to `rounds` for a drafting batch (no prompt is waiting:
         plan_decodes runs only then) and what fits in the launch budget, no more than its requests
-        can use (each round emits at least one token) or are likely to (rounds_likely), and never a
-        position past the context."""
+        can use (each round emits at least one token), never a position past the context, and no
+        more than the request likely to end first is likely to use (rounds_likely): a row whose
+        request ended costs a round as much as a live one (all k+1 positions are verified), so the
+        launch ends where its first request likely does and the next launch goes without it.
+        Measured side by side at concurrency 16 (n-gram, f32): 1,023 output tok/s against 867 when
+        a launch ran the rounds its longest request likely uses."""
         if self.rounds < 2 or chain == 0:
             return 1
         room = min(sched.config.context_length - req.kv_len for req in decodes) // (chain + 1)
-        likely = max(self.rounds_likely(sched, req) for req in decodes)
+        likely = min(self.rounds_likely(sched, req) for req in decodes)
         return max(1, min(self.rounds, self.budget.steps(len(decodes), chain), most_wanted, likely, room))
 
     def rounds_likely(self, sched: "Scheduler", req: Request) -> int:

@@ -266,6 +266,30 @@ def test_a_launch_runs_the_rounds_a_request_is_likely_to_use():
     assert req.output_ids == expected([1, 2, 3], 60)
 
 
+def test_a_launch_ends_where_its_first_request_likely_ends():
+    """Every draft accepted (five tokens a round), two requests decoding together: after the first
+    launch of eight rounds, one has 5 tokens left and the other 45. The next launch runs the one
+    round the first needs, not the eight the second may (the first's row would be verified for
+    nothing in seven of them); then the second runs on alone."""
+    config = SchedulerConfig(max_running_requests=4, max_queued_requests=10, max_prefill_tokens=128,
+                             chunked_prefill_size=64, context_length=300, future_slots=10)
+    sched = Scheduler(config, KVPool(1024, 1, 4), eos_ids=frozenset({49}),
+                      policy=SpeculativeDecoding(spec_tokens=5, rounds=8))
+    sched.add("short", [1, 2, 3], SamplingParams(max_new_tokens=46, temperature=0, ignore_eos=True))
+    sched.add("long", [4, 5, 6], SamplingParams(max_new_tokens=86, temperature=0, ignore_eos=True))
+    short, long = sched.requests["short"], sched.requests["long"]
+    device, rounds = RoundsDevice(0, 300 + 2 * 5 * 8 + 1), []
+    device.rng = EveryDraftAccepted()
+    while sched.has_work:
+        batch = sched.schedule()
+        if batch.is_spec_decode:
+            rounds.append((len(batch.seqs), batch.steps))
+        sched.process(batch, device.run(batch))
+    assert rounds == [(2, 8), (2, 1), (1, 8)]
+    assert short.output_ids == expected([1, 2, 3], 46) and long.output_ids == expected([4, 5, 6], 86)
+    assert sched.pool.used_slots == 0
+
+
 def test_the_launch_budget_learns_steps_per_size():
     ms = 1e-3
     budget = LaunchBudget(20 * ms)
