@@ -70,6 +70,22 @@ def cpu_features() -> list[str]:
     return [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in have]
 
 
+def auto_cpu_dtype(choice: str = "auto", quantization: str | None = None):
+    """--dtype auto on the CPU: bfloat16 where the native kernels multiply bf16 (AVX512-BF16), else
+    float32. Measured on such a CPU (README "The CPU default dtype"): the native bf16 product reads
+    half the bytes and ran a one-token forward in 0.45 ms against 0.94 in float32, and as fast or
+    faster at every batch shape; its sums do not depend on the number of rows, so speculative
+    verify runs keep plain greedy decoding's tokens. torch's own bf16 products (no native kernels,
+    no AVX512-BF16) are slower than float32 at one row. int8 weights (--quantization) keep float32
+    activations, the path their products were measured on."""
+    import torch
+
+    if quantization is not None:
+        return torch.float32
+    kernels = cpu_kernels(choice)
+    return torch.bfloat16 if kernels is not None and kernels.HAS_BF16_PRODUCT else torch.float32
+
+
 def describe_cpu_path(model) -> str:
     """The start-up log's line: which path the layers run, and what the CPU offers."""
     import torch

@@ -58,7 +58,8 @@ class ServerArgs:
                      ["unified", "prefill", "decode"])
     device: str = flag("auto", "Where the model runs; auto picks cuda, then npu, then cpu.",
                        ["auto", "cpu", "cuda", "npu"])
-    dtype: str = flag("auto", "Weight and activation dtype; auto: bfloat16 on accelerators, float32 on the CPU.",
+    dtype: str = flag("auto", "Weight and activation dtype; auto: bfloat16 on accelerators and on CPUs whose native "
+                              "kernels multiply bf16 (AVX512-BF16), else float32 (and with int8 weights).",
                       ["auto", "float32", "bfloat16", "float16"])
     quantization: str | None = flag(None, "Weight quantization after loading: int8 (weight-only, one scale per "
                                           "output channel; the layers' linears and the LM head). Fast on the CPU "

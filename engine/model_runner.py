@@ -38,7 +38,7 @@ CPU_DEFAULT_KV_TOKENS = 65536
 class ModelRunner:
     def __init__(self, args: ServerArgs, device: Device, future_slots: int, dp: DpGroup | None = None):
         self.args, self.device = args, device
-        self.dtype = resolve_dtype(args.dtype, device.torch_device)
+        self.dtype = resolve_dtype(args.dtype, device.torch_device, args.cpu_kernels, args.quantization)
         self.model, self.hf_config = load_model(args.model_path, self.dtype, device.torch_device, args.cpu_kernels,
                                                 args.quantization)
         if dp is not None and not shard_experts(self.model, dp):
@@ -67,7 +67,9 @@ class ModelRunner:
                  f", {args.quantization} weights" if args.quantization else "", dev,
                  self.num_slots, self.context_length, self.worker.describe() if self.worker else "off")
         if dev.type == "cpu":
-            log.info("CPU path: %s", describe_cpu_path(self.model))
+            log.info("CPU path: %s; dtype %s%s", describe_cpu_path(self.model), str(self.dtype).removeprefix("torch."),
+                     " (--dtype auto: bfloat16 where the native kernels multiply bf16, else float32; float32 with "
+                     "int8 weights)" if args.dtype == "auto" else "")
         log.info("graphs: %s", settings.describe() if settings else self.graphs_off_reason())
 
     @property

@@ -7,11 +7,12 @@ import contextlib
 from engine.args import parse_args
 from engine.messages import SamplingParams
 from server.rank_client import RankEngineClient
+from tests.server_harness import pinned_dtype
 
 
 @contextlib.asynccontextmanager
 async def engine(flags: list[str]):
-    client = RankEngineClient(parse_args(flags))
+    client = RankEngineClient(parse_args(pinned_dtype(flags)))
     await client.start()
     try:
         yield client

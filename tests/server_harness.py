@@ -18,6 +18,15 @@ MOE = REPO / "models" / "tandem-moe"
 START_TIMEOUT_S = 180
 
 
+def pinned_dtype(flags) -> list[str]:
+    """The flags, in float32 unless they name a dtype. --dtype auto is bfloat16 on a CPU with
+    AVX512-BF16 and the native kernels; the tests that hold tokens against transformers' float32
+    run, or compare exact tokens between paths, pin float32 so that they mean the same on every
+    CPU (tests/test_bf16_spec.py and tests/test_default_dtype.py run the bf16 path)."""
+    flags = list(flags)
+    return flags if any(f == "--dtype" or f.startswith("--dtype=") for f in flags) else [*flags, "--dtype", "float32"]
+
+
 def free_port(span: int = 1) -> int:
     """A port P with P .. P + span - 1 free, drawn below the kernel's ephemeral range: a port the kernel
     hands out (bind to 0) is free again once closed, and any outgoing connection (a rank's, gloo's) may
@@ -46,7 +55,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "w") as out:
-            self.process = subprocess.Popen([sys.executable, "run.py", "--port", str(self.port), *flags], cwd=REPO,
+            command = [sys.executable, "run.py", "--port", str(self.port), *pinned_dtype(flags)]
+            self.process = subprocess.Popen(command, cwd=REPO,
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True, env={**os.environ, **(env or {})})
 

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from engine.models.config import ConfigError, target_config
 from engine.models.base import ARCHITECTURES, CausalLM, DraftHead, model_class
-from devices.cpu_native import cpu_kernels as load_cpu_kernels
+from devices.cpu_native import auto_cpu_dtype, cpu_kernels as load_cpu_kernels
 from engine.models.layers import stack_projections, use_cpu_kernels
 from engine.models.quant import quantize, quantize_lm_head
 
@@ -42,11 +42,16 @@ class CheckpointError(ValueError):
     """The folder does not hold a checkpoint this model class can load."""
 
 
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str, cpu_kernels: str = "auto",
+                  quantization: str | None = None) -> torch.dtype:
+    """auto: bfloat16 on accelerators; on the CPU what devices/cpu_native.py: auto_cpu_dtype measured
+    fastest for the CPU's features and the kernels that run."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+        if torch.device(device).type == "cpu":
+            return auto_cpu_dtype(cpu_kernels, quantization)
+        return torch.bfloat16
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
