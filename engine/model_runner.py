@@ -68,8 +68,7 @@ class ModelRunner:
                  self.num_slots, self.context_length, self.worker.describe() if self.worker else "off")
         if dev.type == "cpu":
             log.info("CPU path: %s; dtype %s%s", describe_cpu_path(self.model), str(self.dtype).removeprefix("torch."),
-                     " (--dtype auto: bfloat16 where the native kernels multiply bf16, else float32; float32 with "
-                     "int8 weights)" if args.dtype == "auto" else "")
+                     " (--dtype auto: devices/cpu_native.py auto_cpu_dtype)" if args.dtype == "auto" else "")
         log.info("graphs: %s", settings.describe() if settings else self.graphs_off_reason())
 
     @property

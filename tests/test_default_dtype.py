@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from devices import cpu_native
+from engine.messages import SamplingParams
 from engine.models.loader import resolve_dtype
 from tests.e2e_prompts import CODE_PROMPTS
-from engine.messages import SamplingParams
 from tests.engine_harness import engine, run_batch
 from tests.server_harness import DENSE, running_server
 

@@ -6,6 +6,7 @@ module, the same RoPE frequencies, context length, eos ids and refusals."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ from engine.rank_main import eos_token_ids
 
 transformers = pytest.importorskip("transformers")
 
-# as many heads as the largest default number of KV heads (32): the minimal files must build
+# a multiple of every default number of KV heads (4, 8, 32) and none of them: the minimal files
+# must build, and a default KV-head count shows against the builders' fallback (= attention heads)
 SIZES = {"vocab_size": 96, "hidden_size": 256, "intermediate_size": 48, "num_hidden_layers": 3,
-         "num_attention_heads": 32}
+         "num_attention_heads": 64}
 MOE_SIZES = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 # the expert count under the name the architecture's checkpoints use (transformers reads both)
 EXPERTS_NAME = {"Qwen3MoeForCausalLM": "num_experts", "MixtralForCausalLM": "num_local_experts"}
@@ -37,7 +39,7 @@ VARIANTS = {
     # a window that no layer uses (transformers derives layer_types) and one that is used
     "window-unused": {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 8,
                       "max_position_embeddings": 64},
-    "window-off": {"use_sliding_window": False, "sliding_window": 64},
+    "window-off": {"use_sliding_window": False, "sliding_window": 64, "max_window_layers": 1},
     "window-on": {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
     "null-fields": {"head_dim": None, "num_key_value_heads": None, "sliding_window": None},
     "other-experts-name": {},
@@ -106,7 +108,6 @@ def test_builders_read_what_autoconfig_gives(architecture, variant, tmp_path):
 
 def test_embedded_models_read_as_transformers_reads_them():
     from engine.args import DEFAULT_MODEL
-    from pathlib import Path
     for folder in Path(DEFAULT_MODEL).parent.iterdir():
         config = json.loads((folder / "config.json").read_text())
         if config["architectures"][0] not in ARCHITECTURE_DEFAULTS:

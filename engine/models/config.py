@@ -18,10 +18,10 @@ from types import SimpleNamespace
 # Fields every builder reads; without them there is no model to build.
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
-# Defaults every supported architecture's transformers config shares.
-COMMON_DEFAULTS = {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0}
-
-# What transformers' config class of each architecture gives a field the file leaves out.
+# What transformers' config class of each architecture gives a field the file leaves out, where
+# the builders' own fallbacks differ (engine/models/layers.py: config_value, head_dim_of,
+# rope_parameters: head_dim hidden/heads, KV heads = attention heads, rope_theta 10000, silu,
+# untied embeddings).
 ARCHITECTURE_DEFAULTS: dict[str, dict] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "attention_bias": False,
                          "mlp_bias": False, "eos_token_id": 2},
@@ -65,21 +65,17 @@ def target_config(fields: dict) -> SimpleNamespace:
         raise ConfigError(f"config.json of {architecture} lacks {', '.join(missing)}")
     aliases = ALIASES.get(architecture, {})
     fields = {aliases.get(name, name): value for name, value in fields.items()}
-    config = {**COMMON_DEFAULTS, **ARCHITECTURE_DEFAULTS[architecture], **fields}
+    config = {**ARCHITECTURE_DEFAULTS[architecture], **fields}
     config.update({alias: config[name] for alias, name in aliases.items() if name in config})
     derive(architecture, config)
     return SimpleNamespace(**config)
 
 
 def derive(architecture: str, config: dict) -> None:
-    """The fields transformers computes from others where the file leaves them out or sets them
-    to null (a missing field got its default already: null overrides the default)."""
+    """The fields transformers computes from others that the builders do not (a null KV-head count
+    or head_dim, which overrides the default, the builders' fallbacks already compute)."""
     if not config.get("use_sliding_window", True):
         config["sliding_window"] = None                 # the window exists only where it is used
-    if config.get("num_key_value_heads") is None:
-        config["num_key_value_heads"] = config["num_attention_heads"]
-    if architecture == "LlamaForCausalLM" and config.get("head_dim") is None:
-        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     if architecture in LAYER_TYPES_DERIVED and config.get("layer_types") is None:
         window, first = config.get("sliding_window"), config.get("max_window_layers", 0)
         config["layer_types"] = ["sliding_attention" if window is not None and i >= first else "full_attention"

@@ -66,8 +66,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     quantization: of the weights after loading (engine/models/quant.py)."""
     folder = Path(path)
     config = read_target_config(folder)
-    model = build_and_load(architecture_class(folder), config, folder, resolve_dtype(dtype, device), device,
-                           cpu_kernels, quantization)
+    model = build_and_load(model_class(config.architectures[0]), config, folder, resolve_dtype(dtype, device),
+                           device, cpu_kernels, quantization)
     quantize_lm_head(model, quantization)
     use_cpu_kernels(model, model.kernels)
     return model, config
@@ -126,17 +126,19 @@ def read_config_json(folder: Path) -> dict:
 
 def read_target_config(folder: str | Path) -> SimpleNamespace:
     """A target's config.json with the defaults transformers would give it (engine/models/config.py)."""
-    cls = architecture_class(Path(folder))
+    fields = read_config_json(Path(folder))
+    cls = architecture_class(Path(folder), fields)
     if issubclass(cls, DraftHead):
         raise CheckpointError(f"{folder} holds a draft head ({cls.__name__}); load it with load_draft()")
     try:
-        return target_config(read_config_json(Path(folder)))
+        return target_config(fields)
     except ConfigError as exc:
         raise CheckpointError(f"{folder}: {exc}") from exc
 
 
-def architecture_class(folder: Path) -> type:
-    architectures = read_config_json(folder).get("architectures") or []
+def architecture_class(folder: Path, fields: dict | None = None) -> type:
+    """The model class config.json names (`fields`: the file, when read already)."""
+    architectures = (fields if fields is not None else read_config_json(folder)).get("architectures") or []
     if not architectures:
         raise CheckpointError(f"{folder}/config.json names no architecture; supported: {sorted(ARCHITECTURES)}")
     if architectures[0] not in ARCHITECTURES:
