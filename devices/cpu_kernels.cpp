@@ -26,13 +26,42 @@
 namespace {
 
 inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {      // bf16 is the top half of a float32 (a form loops vectorize)
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// x rounded to T as static_cast<T> rounds it (to nearest, ties to even; NaN stays NaN), written for bf16
+// with plain integer operations so that loops of it vectorize (c10's conversion is a call the compiler
+// keeps scalar: a SiLU over a verify run's rows spent most of its time there).
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+template <>
+inline c10::BFloat16 round_to<c10::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(x != x ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
 
 void check_cpu_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with unit stride along the width");
 }
+
+// While alive, the thread treats subnormal floats as zero (MXCSR's FTZ and DAZ), restored after. For
+// loops of fast_exp: the compiler evaluates the clamped ends of its range for every element and
+// keeps what applies, and SiLU's x / (1 + e^88) there is subnormal: each such vector took a
+// microcode assist, 15x the loop's time (a verify run's SwiGLU cost more than its product).
+struct FlushSubnormals {
+  const unsigned saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+};
 
 // e^x to about 1 ulp for x in [-87, 88] (clamped there): Cephes' range reduction and polynomial,
 // written so that the compiler vectorizes a loop of it (libm's expf is a call per element, and was
@@ -76,14 +105,6 @@ inline Vec16 load16(const c10::BFloat16* p) {      // bf16 is the top half of a 
   return v;
 }
 
-inline float sum16(Vec16 v) {       // a fixed order: the same result for every row count
-  float lanes[16];
-  std::memcpy(lanes, &v, sizeof(lanes));
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += lanes[i];
-  return s;
-}
-
 // The lane sums of eight vectors side by side, each by the same fixed tree (halves, quarters,
 // eighths, pairs): 7 vector adds instead of 120 scalar ones.
 inline Vec8 sum_lanes8(const Vec16 (&a)[8]) {
@@ -122,8 +143,8 @@ _Pragma("omp simd reduction(+ : sum)")
   for (int64_t j = 0; j < width; ++j) sum += to_float(x[j]) * to_float(x[j]);
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
   for (int64_t j = 0; j < width; ++j) {
-    const T normed = static_cast<T>(to_float(x[j]) * inv);
-    out[j] = static_cast<T>(to_float(weight[j]) * to_float(normed));
+    const T normed = round_to<T>(to_float(x[j]) * inv);
+    out[j] = round_to<T>(to_float(weight[j]) * to_float(normed));
   }
 }
 
@@ -161,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     auto* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t j = 0; j < width; ++j) hp[r * width + j] = static_cast<scalar_t>(to_float(xp[r * width + j]) + to_float(dp[r * width + j]));
+        for (int64_t j = 0; j < width; ++j) hp[r * width + j] = round_to<scalar_t>(to_float(xp[r * width + j]) + to_float(dp[r * width + j]));
         rms_norm_rows(hp + r * width, wp, op + r * width, width, static_cast<float>(eps));
       }
     });
@@ -180,6 +201,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     const int64_t stride = gate_up.stride(0);
     auto* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      const FlushSubnormals flush;
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* g = gp + r * stride;
         const scalar_t* u = g + inter;
@@ -187,8 +209,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 _Pragma("omp simd")
         for (int64_t j = 0; j < inter; ++j) {
           const float gate = to_float(g[j]);
-          const scalar_t act = static_cast<scalar_t>(gate / (1.f + fast_exp(-gate)));
-          o[j] = static_cast<scalar_t>(to_float(act) * to_float(u[j]));
+          const scalar_t act = round_to<scalar_t>(gate / (1.f + fast_exp(-gate)));
+          o[j] = round_to<scalar_t>(to_float(act) * to_float(u[j]));
         }
       }
     });
@@ -247,12 +269,13 @@ at::Tensor rope_table(const at::Tensor& q_start, const at::Tensor& q_len, const 
   return table;
 }
 
-// From this many query rows a (sequence, kv head) on, attention runs as two matrix products over
-// gathered keys instead of row by row from the cache (bench/cpu_kernels.py). Float32 rows read in
-// registers (attend_in_registers) beat the products up to 16 rows (1 x 5 tokens, 2 query heads a
-// kv head: 22 against 30 us a layer); bf16 ones, which widen every key, only up to 8.
-template <typename T>
-constexpr int64_t rows_for_products() { return std::is_same_v<T, float> ? 17 : 8; }
+// Runs of up to this many tokens a sequence (decodes, verify runs, draft steps, short prompt chunks)
+// read every key from the cache row by row (attend_in_registers); longer prompt chunks gather the keys
+// once and attend by two matrix products (torch's, whose sums depend on the shapes). A verify run of k
+// tokens must read the numbers k decode steps would: with the switch at 8 query rows, a bf16 verify
+// of 4 tokens (2 query heads a kv head) attended by products, and EAGLE-3's greedy tokens left plain
+// decoding's on an Intel Xeon (tests/test_bf16_spec.py). The native products' row limit.
+constexpr int64_t MAX_TOKENS_IN_REGISTERS = 64;
 
 // Many queries a sequence (verify runs of many sequences, prompt chunks): the (sequence, kv head)'s
 // keys and values gathered once into float matrices, scores and outputs as two matrix products.
@@ -286,7 +309,7 @@ void attend_by_products(const float* const* query, int64_t n_rows, int64_t group
   auto out = at::mm(scores, v);                          // [n_rows, dim]
   const float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < n_rows; ++r)
-    for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = static_cast<T>(op[r * dim + d]);
+    for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = round_to<T>(op[r * dim + d]);
 }
 
 // Few query rows a (sequence, kv head) (decode steps, short verify runs), for head dims of NV * 16:
@@ -328,7 +351,7 @@ void attend_in_registers(const float* const* query, int64_t n_rows, int64_t grou
     const float norm = 1.f / total;
     float out[dim];
     for (int v = 0; v < NV; ++v) std::memcpy(out + 16 * v, &acc[v], sizeof(Vec16));
-    for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = static_cast<T>(out[d] * norm);
+    for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = round_to<T>(out[d] * norm);
   }
 }
 
@@ -402,7 +425,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
         T* k_dst = kc + (slot * heads.kv + h) * dim;
         T* v_dst = vc + (slot * heads.kv + h) * dim;
         for (int64_t d = 0; d < dim; ++d) {
-          k_dst[d] = static_cast<T>(key[d]);
+          k_dst[d] = round_to<T>(key[d]);
           v_dst[d] = v_src[h * dim + d];
         }
       }
@@ -432,7 +455,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
       out_rows.resize(n_rows);
       for (int64_t r = 0; r < n_rows; ++r)
         out_rows[r] = dst + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
-      if (n_rows >= rows_for_products<T>()) {
+      if (n_q > MAX_TOKENS_IN_REGISTERS) {
         attend_by_products(query.data(), n_rows, group, keys, first, slots.data(), kc, vc, heads.kv, kv_head, dim,
                            softmax_scale, out_rows.data());
         continue;
@@ -474,7 +497,7 @@ _Pragma("omp simd")
         }
       }
       for (int64_t r = 0; r < n_rows; ++r)
-        for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = static_cast<T>(acc[r * dim + d]);
+        for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = round_to<T>(acc[r * dim + d]);
     }
   });
 }
@@ -539,7 +562,7 @@ _Pragma("omp simd")
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < width; ++j) {
       const float add = bias ? to_float(bias[n0 + j]) : 0.f;
-      y[r * n_dim + n0 + j] = static_cast<T>(acc[r][j] * scale[n0 + j] + add);
+      y[r * n_dim + n0 + j] = round_to<T>(acc[r][j] * scale[n0 + j] + add);
     }
   }
 }
@@ -634,8 +657,9 @@ void product_block(const float* x, int64_t k_dim, const float* w, int64_t nb, co
     }
   }
   for (int r = 0; r < R; ++r) {
+    const Vec8 sums = sum_lanes8(acc[r]);
     for (int64_t j = 0; j < nb; ++j) {
-      float s = sum16(acc[r][j]);
+      float s = sums[j];
       for (int64_t kk = k; kk < k_dim; ++kk) s += x[r * k_dim + kk] * w[j * k_dim + kk];
       y[r * n_dim + j] = bias ? s + bias[j] : s;
     }
@@ -686,11 +710,11 @@ void product_block(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w
     }
   }
   for (int r = 0; r < R; ++r) {
+    Vec16 lanes[FLOAT_BLOCK];
+    for (int64_t j = 0; j < FLOAT_BLOCK; ++j) lanes[j] = (Vec16)acc[r][j];
+    const Vec8 sums = sum_lanes8(lanes);
     for (int64_t j = 0; j < nb; ++j) {
-      float lanes[16];
-      _mm512_storeu_ps(lanes, acc[r][j]);
-      float s = 0.f;
-      for (int i = 0; i < 16; ++i) s += lanes[i];
+      float s = sums[j];
       for (int64_t kk = k; kk < k_dim; ++kk) s += static_cast<float>(x[r * k_dim + kk]) * static_cast<float>(w[j * k_dim + kk]);
       y[r * n_dim + j] = static_cast<c10::BFloat16>(bias ? s + static_cast<float>(bias[j]) : s);
     }

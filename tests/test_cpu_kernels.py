@@ -155,6 +155,32 @@ def test_attention_matches_the_torch_path(dtype, heads, kv_heads, qk_norm, dim):
     torch.testing.assert_close(native_kv.v[0], torch_kv.v[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("run", [4, 8, 16])
+def test_a_verify_run_attends_as_its_decode_steps_would(dtype, heads, kv_heads, run):
+    """A run of `run` tokens over 37 cached positions gives, bit for bit, the outputs of `run`
+    one-token steps: speculative verify runs keep plain greedy decoding's tokens (with 8 or more
+    query rows a kv head the runs once attended by matrix products, whose sums differ)."""
+    gen = torch.Generator().manual_seed(run + heads)
+    dim, cached = 64, 37
+    kv = random_cache(128, kv_heads, dim, dtype, gen)
+    table = torch.randperm(128, generator=gen)[None, :]
+    qkv = torch.randn(run, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    inv_freq = RotaryEmbedding(dim, {"rope_type": "default", "rope_theta": 10000.0}).inv_freq
+
+    def attend(cache: KVCache, first: int, tokens: int) -> torch.Tensor:
+        batch = build_attention_batch(torch.tensor([tokens]), torch.tensor([cached + first + tokens]),
+                                      torch.tensor([0]), table, tokens, cached + run, cache)
+        return native_attention(qkv[first:first + tokens], heads, kv_heads, dim, cache, batch, inv_freq)
+
+    whole_kv, steps_kv = copy_of(kv), copy_of(kv)
+    whole = attend(whole_kv, 0, run)
+    steps = torch.cat([attend(steps_kv, i, 1) for i in range(run)])
+    assert torch.equal(whole, steps)
+    assert torch.equal(whole_kv.k[0], steps_kv.k[0]) and torch.equal(whole_kv.v[0], steps_kv.v[0])
+
+
 def test_attention_reads_a_chain_steps_table_slice():
     """chain_step_batch's table is a column slice of the slot table (rows strided): read in place."""
     gen = torch.Generator().manual_seed(3)
