@@ -312,47 +312,76 @@ void attend_by_products(const float* const* query, int64_t n_rows, int64_t group
     for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = round_to<T>(op[r * dim + d]);
 }
 
-// Few query rows a (sequence, kv head) (decode steps, short verify runs), for head dims of NV * 16:
-// each row's query and output accumulator stay in registers while it reads the keys and values
-// straight from the cache; the dot products of eight keys are reduced side by side (sum_lanes8).
-// A row's result does not depend on the other rows or sequences.
+// Query rows of a (sequence, kv head) read in registers (decode steps, verify runs, draft steps), for
+// head dims of NV * 16: R rows at a time (two for head dim 64, where their queries and dot sums fit
+// the registers; one for 128) read each key and value from the cache once; each row's query and
+// output accumulator stay in registers, and the dot products of eight keys are reduced side by side
+// (sum_lanes8). Row r sees keys 0 ..= first + r / group. A row's sums are the same whatever rows it
+// is read with: its dots are its own lanes, its softmax and its outputs its own, added key by key in
+// order over exactly its visible keys, so a verify run reads what its decode steps would.
+template <int NV, int R, typename T>
+void attend_rows(const float* const* query, int64_t r0, int64_t group, int64_t first, const int64_t* slots,
+                 const T* keys, const T* values, int64_t stride, float softmax_scale, float* scores, int64_t keys_n,
+                 T* const* out_rows) {
+  constexpr int64_t dim = NV * 16;
+  int64_t visible[R];
+  Vec16 q[R][NV];
+  for (int r = 0; r < R; ++r) {
+    visible[r] = first + (r0 + r) / group + 1;        // non-decreasing in r
+    for (int v = 0; v < NV; ++v) q[r][v] = load16(query[r0 + r] + 16 * v);
+  }
+  const int64_t last = visible[R - 1];
+  for (int64_t j = 0; j < last; j += 8) {
+    const int64_t block = std::min<int64_t>(8, last - j);
+    Vec16 part[R][8];
+    for (int i = 0; i < 8; ++i) {
+      for (int r = 0; r < R; ++r) part[r][i] = Vec16{};
+      if (i < block) {
+        const T* k = keys + slots[j + i] * stride;
+        for (int v = 0; v < NV; ++v) {
+          const Vec16 kv = load16(k + 16 * v);
+          for (int r = 0; r < R; ++r) part[r][i] += q[r][v] * kv;
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec8 dots = sum_lanes8(part[r]);         // lane i: key j + i's dot alone
+      float* row = scores + r * keys_n;
+      for (int64_t i = 0; i < std::min<int64_t>(8, visible[r] - j); ++i) row[j + i] = dots[i] * softmax_scale;
+    }
+  }
+  float total[R];
+  for (int r = 0; r < R; ++r) total[r] = exp_shifted(scores + r * keys_n, visible[r], 1.f);   // scaled already
+  Vec16 acc[R][NV] = {};
+  for (int64_t j = 0; j < last; ++j) {
+    const T* v_row = values + slots[j] * stride;
+    for (int v = 0; v < NV; ++v) {
+      const Vec16 value = load16(v_row + 16 * v);
+      for (int r = 0; r < R; ++r)
+        if (j < visible[r]) acc[r][v] += (Vec16{} + scores[r * keys_n + j]) * value;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float norm = 1.f / total[r];
+    float out[dim];
+    for (int v = 0; v < NV; ++v) std::memcpy(out + 16 * v, &acc[r][v], sizeof(Vec16));
+    for (int64_t d = 0; d < dim; ++d) out_rows[r0 + r][d] = round_to<T>(out[d] * norm);
+  }
+}
+
 template <int NV, typename T>
 void attend_in_registers(const float* const* query, int64_t n_rows, int64_t group, int64_t first,
                          const int64_t* slots, const T* kc, const T* vc, int64_t kv_heads, int64_t kv_head,
-                         float softmax_scale, float* row, T* const* out_rows) {
-  constexpr int64_t dim = NV * 16;
-  const int64_t stride = kv_heads * dim;
-  const T* keys = kc + kv_head * dim;
-  const T* values = vc + kv_head * dim;
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const int64_t visible = first + r / group + 1;
-    Vec16 q[NV];
-    for (int v = 0; v < NV; ++v) q[v] = load16(query[r] + 16 * v);
-    for (int64_t j = 0; j < visible; j += 8) {
-      const int64_t block = std::min<int64_t>(8, visible - j);
-      Vec16 part[8];
-      for (int i = 0; i < 8; ++i) {
-        part[i] = Vec16{};
-        if (i < block) {
-          const T* k = keys + slots[j + i] * stride;
-          for (int v = 0; v < NV; ++v) part[i] += q[v] * load16(k + 16 * v);
-        }
-      }
-      const Vec8 dots = sum_lanes8(part);
-      for (int64_t i = 0; i < block; ++i) row[j + i] = dots[i] * softmax_scale;
-    }
-    const float total = exp_shifted(row, visible, 1.f);      // the dots are scaled already
-    Vec16 acc[NV] = {};
-    for (int64_t j = 0; j < visible; ++j) {
-      const T* v_row = values + slots[j] * stride;
-      const Vec16 p = Vec16{} + row[j];
-      for (int v = 0; v < NV; ++v) acc[v] += p * load16(v_row + 16 * v);
-    }
-    const float norm = 1.f / total;
-    float out[dim];
-    for (int v = 0; v < NV; ++v) std::memcpy(out + 16 * v, &acc[v], sizeof(Vec16));
-    for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = round_to<T>(out[d] * norm);
-  }
+                         float softmax_scale, float* scores, int64_t keys_n, T* const* out_rows) {
+  constexpr int R = NV <= 4 ? 2 : 1;
+  const int64_t stride = kv_heads * NV * 16;
+  const T* keys = kc + kv_head * NV * 16;
+  const T* values = vc + kv_head * NV * 16;
+  int64_t r = 0;
+  for (; r + R <= n_rows; r += R)
+    attend_rows<NV, R, T>(query, r, group, first, slots, keys, values, stride, softmax_scale, scores, keys_n, out_rows);
+  for (; r < n_rows; ++r)
+    attend_rows<NV, 1, T>(query, r, group, first, slots, keys, values, stride, softmax_scale, scores, keys_n, out_rows);
 }
 
 template <typename T>
@@ -464,7 +493,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
         if (dim == 64 || dim == 128) {
           (dim == 64 ? attend_in_registers<4, T> : attend_in_registers<8, T>)(
               query.data(), n_rows, group, first, slots.data(), kc, vc, heads.kv, kv_head, softmax_scale,
-              scores.data(), out_rows.data());
+              scores.data(), keys, out_rows.data());
           continue;
         }
       }
