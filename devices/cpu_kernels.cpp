@@ -274,7 +274,7 @@ at::Tensor rope_table(const at::Tensor& q_start, const at::Tensor& q_len, const 
 // once and attend by two matrix products (torch's, whose sums depend on the shapes). A verify run of k
 // tokens must read the numbers k decode steps would: with the switch at 8 query rows, a bf16 verify
 // of 4 tokens (2 query heads a kv head) attended by products, and EAGLE-3's greedy tokens left plain
-// decoding's on an Intel Xeon (tests/test_bf16_spec.py). The native products' row limit.
+// decoding's on an Intel Xeon (tests/test_bf16_spec.py). 64: the rows the native products take.
 constexpr int64_t MAX_TOKENS_IN_REGISTERS = 64;
 
 // Many queries a sequence (verify runs of many sequences, prompt chunks): the (sequence, kv head)'s
@@ -745,7 +745,7 @@ void product_block(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w
     for (int64_t j = 0; j < nb; ++j) {
       float s = sums[j];
       for (int64_t kk = k; kk < k_dim; ++kk) s += static_cast<float>(x[r * k_dim + kk]) * static_cast<float>(w[j * k_dim + kk]);
-      y[r * n_dim + j] = static_cast<c10::BFloat16>(bias ? s + static_cast<float>(bias[j]) : s);
+      y[r * n_dim + j] = round_to<c10::BFloat16>(bias ? s + to_float(bias[j]) : s);
     }
   }
 }

@@ -156,12 +156,13 @@ def test_attention_matches_the_torch_path(dtype, heads, kv_heads, qk_norm, dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (6, 2), (2, 2)])
 @pytest.mark.parametrize("run", [4, 8, 16])
 def test_a_verify_run_attends_as_its_decode_steps_would(dtype, heads, kv_heads, run):
     """A run of `run` tokens over 37 cached positions gives, bit for bit, the outputs of `run`
     one-token steps: speculative verify runs keep plain greedy decoding's tokens (with 8 or more
-    query rows a kv head the runs once attended by matrix products, whose sums differ)."""
+    query rows a kv head the runs once attended by matrix products, whose sums differ). Odd
+    groups (3, 1 query heads a kv head) pair query rows of two tokens, which see different keys."""
     gen = torch.Generator().manual_seed(run + heads)
     dim, cached = 64, 37
     kv = random_cache(128, kv_heads, dim, dtype, gen)

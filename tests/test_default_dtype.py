@@ -11,7 +11,7 @@ import torch
 
 from devices import cpu_native
 from engine.messages import SamplingParams
-from engine.models.loader import resolve_dtype
+from engine.models.loader import load_model, resolve_dtype
 from tests.e2e_prompts import CODE_PROMPTS
 from tests.engine_harness import engine, run_batch
 from tests.server_harness import DENSE, running_server
@@ -27,6 +27,8 @@ def test_auto_follows_the_kernels_and_the_cpu(monkeypatch):
     assert resolve_dtype("auto", "cpu", quantization="int8") == torch.float32
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
     assert resolve_dtype("float32", "cpu") == torch.float32
+    # loading a model resolves auto for the path it loads
+    assert load_model(DENSE, "auto", "cpu", cpu_kernels="torch")[0].embed_tokens.weight.dtype == torch.float32
 
 
 TOLERANCE = 0.25          # logits; bf16 rounds at about 0.4% of a value

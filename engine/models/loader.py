@@ -66,8 +66,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     quantization: of the weights after loading (engine/models/quant.py)."""
     folder = Path(path)
     config = read_target_config(folder)
-    model = build_and_load(model_class(config.architectures[0]), config, folder, resolve_dtype(dtype, device),
-                           device, cpu_kernels, quantization)
+    model = build_and_load(model_class(config.architectures[0]), config, folder,
+                           resolve_dtype(dtype, device, cpu_kernels, quantization), device, cpu_kernels, quantization)
     quantize_lm_head(model, quantization)
     use_cpu_kernels(model, model.kernels)
     return model, config
@@ -84,7 +84,8 @@ def load_draft(path: str | Path, target: CausalLM, dtype: torch.dtype | str = to
     if not issubclass(cls, DraftHead):
         raise CheckpointError(f"{folder} holds {cls.__name__}, not a draft head; load it with load_model()")
     config = SimpleNamespace(**read_config_json(folder))
-    head = build_and_load(cls, config, folder, resolve_dtype(dtype, device), device, cpu_kernels, quantization)
+    head = build_and_load(cls, config, folder, resolve_dtype(dtype, device, cpu_kernels, quantization), device,
+                          cpu_kernels, quantization)
     head.bind_target(target)
     if token_map is not None:
         try:
