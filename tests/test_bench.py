@@ -487,7 +487,9 @@ sys.addaudithook(_report_engine)
 
 @pytest.mark.slow
 def test_compare_checkout_runs_both_trees_side_by_side(tmp_path):
-    """Real servers (the embedded model, no speculation) from a worktree of HEAD and from the working tree."""
+    """Real servers (the embedded model, no speculation) from a worktree of HEAD and from the working tree.
+    One decode step a launch: with several, a 4-token answer's last tokens can come in one chunk, and its
+    median inter-token latency (a ratio below) is then 0."""
     out, logs, where, probe = tmp_path / "compare.jsonl", tmp_path / "logs", tmp_path / "wt", tmp_path / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(IMPORT_PROBE)
@@ -496,7 +498,8 @@ def test_compare_checkout_runs_both_trees_side_by_side(tmp_path):
                            text=True).stdout.strip()
     result = subprocess.run(
         [sys.executable, "bench/compare.py", "--checkout", commit, "--checkout-dir", str(where),
-         "--config", "none=--speculative-algorithm none", "--rounds", "1", "--max-concurrency", "1",
+         "--config", "none=--speculative-algorithm none --num-scheduler-steps 1", "--rounds", "1",
+         "--max-concurrency", "1",
          "--num-prompts", "2", "--random-input-len", "16", "--random-output-len", "4", "--random-range-ratio", "1",
          "--warmup-requests", "0", "--output-file", str(out), "--log-dir", str(logs), "--health-timeout", "120"],
         cwd=REPO, env=os.environ | {"PYTHONPATH": str(probe)}, capture_output=True, text=True, timeout=240)
