@@ -41,7 +41,14 @@ def load(path: str, dtype: str, name: str):
     """The model on one path. EXPERT_LOOP: native kernels, the experts through StackedExperts'
     grouped loop; PER_LAYER: native kernels, one dense_layer call per layer (what ran before
     their native calls: dense_layers, moe_experts)."""
-    model = load_model(path, dtype, "cpu", **PATHS.get(name, PATHS["native"]))[0]
+    if name == TORCH_PRODUCTS:          # loaded with the native products off: no weight packs for them
+        from devices.cpu_native import build
+        build().set_native_float_products(False)
+    try:
+        model = load_model(path, dtype, "cpu", **PATHS.get(name, PATHS["native"]))[0]
+    finally:
+        if name == TORCH_PRODUCTS:
+            build().set_native_float_products(True)
     if name == EXPERT_LOOP:
         for experts in (m for m in model.modules() if isinstance(m, StackedExperts)):
             experts.forward = experts.forward_grouped

@@ -5,8 +5,9 @@
 //
 // Each is one call from Python where the pure-torch path (engine/models/layers.py) runs 5-20
 // small operators. The matrix products of a few rows (decode, verify, draft steps) run here too,
-// float32 (float_linear) and weight-only int8 (int8_linear), where reading the weights is the cost;
-// larger ones stay with torch (oneDNN/MKL). Loaded by
+// float32 and bf16 (float_linear) and weight-only int8 (int8_linear), where reading the weights is
+// the cost; larger ones stay with torch (oneDNN/MKL), except bf16 weights packed for AMX tiles
+// (tile_product), which run here at every row count. Loaded by
 // devices/cpu_native.py, which falls back to the pure-torch path when this does not build.
 //
 // Layout (engine/models/attention.py: SeqLayout): sequence b owns tokens q_start[b] ..
@@ -17,6 +18,8 @@
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -761,6 +764,135 @@ bool native_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10
          (!bias || (bias->scalar_type() == at::kBFloat16 && bias->numel() == weight.size(0)));
 }
 
+// The bf16 product on AMX's tile units (amx_bf16), where the CPU has them: W packed once at load
+// (tile_pack) into 1 KB blocks of 16 output columns x 32 inputs, each block the B operand of one
+// tdpbf16ps, the blocks of 16 columns one after another along K. A tile multiply sums 16 x 32
+// products per row where vdpbf16ps sums 32 (measured in-process on the model's five shapes, 2
+// threads: 0.5-0.7x the time of the vdpbf16ps product above at 1 row, 0.15-0.25x at 8, and near
+// torch's oneDNN at 512). It runs at every number of rows, so a row's sums never depend on the batch
+// (no switch to torch's product above some rows): row m of C is C[m] += A[m] . B, kb after kb, the
+// same instructions whatever rows share its tile. A weight takes this path only in its packed form,
+// so every call with one weight sums the same way. Built where the compiler targets such a CPU;
+// used where the kernel grants the process the tile state (arch_prctl, Linux 5.16+).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool HAS_TILE_PRODUCT = true;
+
+struct TileConfig {              // LDTILECFG's 64-byte layout (palette 1)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t TILE_ROWS = 16, TILE_K = 32, TILE_COLS = 16, TILE_BLOCK = TILE_COLS * TILE_K;   // bf16s a B block
+constexpr int64_t TILE_GROUP = 4;                   // C tiles a pass: 64 output columns against one A tile
+
+bool tiles_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+// Tiles 0..NB-1: C (rows x 16 floats); 4: A (rows x 32 bf16 of x); 5, 6: B blocks, alternating.
+template <int NB>
+void tile_pass(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w, int64_t n_block, float* c) {
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  const int64_t k_blocks = k_dim / TILE_K, column_stride = k_blocks * TILE_BLOCK;
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    _tile_loadd(4, x + kb * TILE_K, k_dim * 2);
+    const c10::BFloat16* b = w + n_block * column_stride + kb * TILE_BLOCK;
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NB > 1) { _tile_loadd(6, b + column_stride, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (NB > 2) { _tile_loadd(5, b + 2 * column_stride, 64); _tile_dpbf16ps(2, 4, 5); }
+    if constexpr (NB > 3) { _tile_loadd(6, b + 3 * column_stride, 64); _tile_dpbf16ps(3, 4, 6); }
+  }
+  constexpr int64_t ldc = TILE_GROUP * TILE_COLS * 4;
+  _tile_stored(0, c, ldc);
+  if constexpr (NB > 1) _tile_stored(1, c + TILE_COLS, ldc);
+  if constexpr (NB > 2) _tile_stored(2, c + 2 * TILE_COLS, ldc);
+  if constexpr (NB > 3) _tile_stored(3, c + 3 * TILE_COLS, ldc);
+}
+
+at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const int64_t n_blocks = packed.size(0), k_dim = packed.size(1) * TILE_K, n_dim = n_blocks * TILE_COLS;
+  const auto x = x_in.reshape({-1, k_dim}).contiguous();
+  const int64_t rows = x.size(0);
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = n_dim;
+  auto y = at::empty({rows, n_dim}, x.options());
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias ? b.data_ptr<c10::BFloat16>() : nullptr;
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t groups = (n_blocks + TILE_GROUP - 1) / TILE_GROUP;
+  if (rows == 0) return y.view(out_shape);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[TILE_ROWS * TILE_GROUP * TILE_COLS];
+    for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
+      const int64_t m = std::min(TILE_ROWS, rows - m0);
+      TileConfig config;
+      for (int t = 0; t <= 4; ++t) config.rows[t] = m, config.colsb[t] = 64;
+      for (int t = 5; t <= 6; ++t) config.rows[t] = TILE_K / 2, config.colsb[t] = 64;
+      _tile_loadconfig(&config);
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t first = g * TILE_GROUP, nb = std::min(TILE_GROUP, n_blocks - first);
+        const c10::BFloat16* xm = xp + m0 * k_dim;
+        switch (nb) {
+          case 4: tile_pass<4>(xm, k_dim, wp, first, c); break;
+          case 3: tile_pass<3>(xm, k_dim, wp, first, c); break;
+          case 2: tile_pass<2>(xm, k_dim, wp, first, c); break;
+          default: tile_pass<1>(xm, k_dim, wp, first, c);
+        }
+        const int64_t n0 = first * TILE_COLS, width = nb * TILE_COLS;
+        for (int64_t r = 0; r < m; ++r) {
+          c10::BFloat16* out = yp + (m0 + r) * n_dim + n0;
+          const float* sums = c + r * TILE_GROUP * TILE_COLS;
+          if (bp)
+            for (int64_t j = 0; j < width; ++j) out[j] = round_to<c10::BFloat16>(sums[j] + to_float(bp[n0 + j]));
+          else
+            for (int64_t j = 0; j < width; ++j) out[j] = round_to<c10::BFloat16>(sums[j]);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y.view(out_shape);
+}
+#else
+constexpr bool HAS_TILE_PRODUCT = false;
+bool tiles_granted() { return false; }
+at::Tensor tile_product(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "tile_product: built without AMX");
+}
+#endif
+
+// Whether tile_pack packs: AMX built here and granted to this process.
+bool tile_products_run() { return HAS_TILE_PRODUCT && tiles_granted(); }
+
+// A weight in tile_product's packed form: [N/16, K/32, 16 input pairs, 16 columns, 2] bf16.
+bool is_tile_packed(const at::Tensor& w) {
+  return w.dim() == 5 && w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 2 && w.scalar_type() == at::kBFloat16;
+}
+
+// W [N, K] in tile_product's form where it runs (AMX built and granted, the native products on, bf16,
+// N a multiple of 16 and K of 32); else W itself, for the other products.
+at::Tensor tile_pack(const at::Tensor& w) {
+  const bool fits = HAS_TILE_PRODUCT && float_products_enabled && w.dim() == 2 && w.scalar_type() == at::kBFloat16 &&
+                    w.size(0) % 16 == 0 && w.size(1) % 32 == 0 && w.size(0) > 0 && w.size(1) > 0;
+  if (!fits || !tiles_granted()) return w;
+  // packed[nb][kb][p][c][e] = W[16 nb + c][32 kb + 2 p + e]
+  return w.contiguous().view({w.size(0) / 16, 16, w.size(1) / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+}
+
+// The [N, K] matrix of a packed weight.
+at::Tensor tile_unpack(const at::Tensor& packed) {
+  TORCH_CHECK(is_tile_packed(packed), "tile_unpack: not a tile-packed weight");
+  return packed.permute({0, 3, 1, 2, 4}).reshape({packed.size(0) * 16, packed.size(1) * 32});
+}
+
 // The few-row product of T = float or bf16 (product_block's overloads): blocks of FLOAT_BLOCK rows of
 // W split evenly across the threads, each against the rows of x two at a time.
 template <typename T>
@@ -796,6 +928,15 @@ at::Tensor few_row_product(const at::Tensor& x_in, const at::Tensor& weight, con
 
 // torch's product, or the few-row ones above where they apply.
 at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  if (is_tile_packed(weight)) {
+    const int64_t n_dim = weight.size(0) * 16;
+    TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.size(-1) == weight.size(1) * 32,
+                "linear: a tile-packed weight takes bf16 rows of ", weight.size(1) * 32, " values");
+    TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n_dim),
+                "linear: the bias of a tile-packed weight is ", n_dim, " bf16 values");
+    if (!float_products_enabled) return at::linear(x_in, tile_unpack(weight), bias);     // benchmarks only
+    return tile_product(x_in, weight, bias);
+  }
 #if defined(__AVX512BF16__)
   if (native_bf16_linear(x_in, weight, bias)) return few_row_product<c10::BFloat16>(x_in, weight, bias);
 #endif
@@ -922,6 +1063,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &float_linear, "x @ W^T (+ b): a few float32 rows natively, else torch's product", release);
   m.attr("FLOAT_LINEAR_MAX_ROWS") = FLOAT_LINEAR_MAX_ROWS;
   m.attr("HAS_BF16_PRODUCT") = HAS_BF16_PRODUCT;
+  m.attr("HAS_TILE_PRODUCT") = HAS_TILE_PRODUCT;
+  m.def("tile_pack", &tile_pack, "W [N, K] bf16 packed for the AMX tile product where it runs, else W");
+  m.def("tile_unpack", &tile_unpack, "the [N, K] matrix of a tile-packed weight");
+  m.def("tile_products_run", &tile_products_run, "whether bf16 weights pack for the AMX tile product here");
   m.def("set_native_float_products", &set_native_float_products, "off: float products through torch (benchmarks)");
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");
   m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix", release);

@@ -95,8 +95,11 @@ def describe_cpu_path(model) -> str:
     if kernels is None:
         return f"pure torch; torch {torch.__version__} products; CPU features: {features}"
     dtypes = "float32 and bfloat16" if kernels.HAS_BF16_PRODUCT else "float32"
+    tiles = any(getattr(m, "native_weight", None) is not None and m.native_weight.dim() == 5 for m in model.modules())
+    tiled = "; bfloat16 weights packed for AMX tiles, their products native at every row count" if tiles else ""
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
-            f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above; CPU features: {features}")
+            f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}; "
+            f"CPU features: {features}")
 
 
 @functools.cache

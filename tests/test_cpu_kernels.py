@@ -73,6 +73,60 @@ def test_the_native_product_matches_torch_and_does_not_depend_on_the_batch(rows,
     torch.testing.assert_close(half, F.linear(x.half(), weight.half()), atol=0, rtol=0)
 
 
+TILES = kernels is not None and kernels.tile_products_run()
+
+
+@pytest.mark.skipif(not TILES, reason="no AMX tile product here (amx_bf16 and Linux 5.16+)")
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 64)])   # whole groups of 4 tiles, and 3
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_tile_product_matches_torch_and_no_row_depends_on_the_batch(rows, out_features, in_features, bias):
+    """The AMX product of a packed bf16 weight: within one bf16 step of the exact sum, and each row
+    bit for bit what it is alone, at every row count (tiles of 16 rows, the last one partial)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed = kernels.tile_pack(weight)
+    assert packed.shape == (out_features // 16, in_features // 32, 16, 16, 2)
+    assert torch.equal(kernels.tile_unpack(packed), weight)
+    y = kernels.linear(x, packed, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(y.float(), exact, atol=1e-2, rtol=8e-3)
+    alone = torch.cat([kernels.linear(x[i:i + 1], packed, b) for i in range(rows)])
+    assert torch.equal(y, alone)
+    assert kernels.linear(x.view(1, rows, in_features), packed, b).shape == (1, rows, out_features)
+    kernels.set_native_float_products(False)          # benchmarks' switch: torch's product of the same matrix
+    try:
+        torch.testing.assert_close(kernels.linear(x, packed, b), F.linear(x, weight, b))
+    finally:
+        kernels.set_native_float_products(True)
+
+
+@pytest.mark.skipif(not TILES, reason="no AMX tile product here (amx_bf16 and Linux 5.16+)")
+def test_only_bf16_weights_of_whole_tiles_pack_and_a_packed_weight_refuses_other_inputs():
+    gen = torch.Generator().manual_seed(0)
+    for weight in (torch.randn(48, 64, generator=gen),                 # float32
+                   torch.randn(40, 64, generator=gen).bfloat16(),      # 40 columns: not whole tiles of 16
+                   torch.randn(48, 48, generator=gen).bfloat16()):     # 48 inputs: not whole blocks of 32
+        kept = kernels.tile_pack(weight)
+        assert kept.shape == weight.shape and kept.data_ptr() == weight.data_ptr()
+    packed = kernels.tile_pack(torch.randn(48, 64, generator=gen).bfloat16())
+    with pytest.raises(RuntimeError, match="tile-packed weight takes bf16 rows of 64"):
+        kernels.linear(torch.randn(2, 64), packed, None)
+    with pytest.raises(RuntimeError, match="tile-packed weight takes bf16 rows of 64"):
+        kernels.linear(torch.randn(2, 32).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="bias of a tile-packed weight is 48 bf16"):
+        kernels.linear(torch.randn(2, 64).bfloat16(), packed, torch.zeros(47).bfloat16())
+    kernels.set_native_float_products(False)          # loaded with the native products off: nothing packs
+    try:
+        weight = torch.randn(48, 64, generator=gen).bfloat16()
+        assert kernels.tile_pack(weight).dim() == 2
+    finally:
+        kernels.set_native_float_products(True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 @pytest.mark.parametrize("held", [(0, 8), (2, 5)], ids=["all-experts", "expert-parallel-share"])
@@ -257,6 +311,9 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
         assert described.startswith("pure torch") if choice == "torch" else \
             f"products of up to {kernels.FLOAT_LINEAR_MAX_ROWS} rows" in described
         assert choice == "torch" or ("bfloat16 products" in described) == kernels.HAS_BF16_PRODUCT
+        packed = [m for m in linears if type(m) is NativeLinear and m.native_weight.dim() == 5]
+        assert bool(packed) == (choice == "native" and dtype == torch.bfloat16 and TILES)
+        assert ("AMX tiles" in described) == bool(packed)
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)
         steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]

@@ -36,8 +36,18 @@ class VocabProjection:
         if quantized is not None:
             return quantized(hidden)
         if self.kernels is not None:
-            return self.kernels.linear(hidden, self.lm_head_weight(), None)
+            return self.kernels.linear(hidden, self.native_lm_head(), None)
         return F.linear(hidden, self.lm_head_weight())
+
+    def native_lm_head(self) -> torch.Tensor:
+        """lm_head_weight() as the kernels' `linear` reads it fastest (NativeLinear.native_weight),
+        packed again only when the LM head itself changes (a token map, a bound target)."""
+        weight = self.lm_head_weight()
+        held = self.__dict__.get("native_lm_head_of")
+        if held is None or held[0] is not weight:
+            held = (weight, self.kernels.tile_pack(weight))
+            self.__dict__["native_lm_head_of"] = held
+        return held[1]
 
 
 class CausalLM(VocabProjection, nn.Module, ABC):

@@ -54,6 +54,15 @@ def use_cpu_kernels(model: nn.Module, kernels) -> None:
         if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts, VocabProjection,
                                NativeLinear)):
             module.kernels = kernels
+            module.__dict__.pop("native_weight", None)       # packed for the kernels they had
+            module.__dict__.pop("native_lm_head_of", None)
+    if kernels is not None:                                  # pack now, not in the first request's forward
+        for module in model.modules():
+            if isinstance(module, NativeLinear):
+                module.native_weight
+            elif (isinstance(module, VocabProjection) and module._modules.get("lm_head_int8") is None
+                  and module.lm_head_weight() is not None):      # a draft head's is bound later
+                module.native_lm_head()
 
 
 class NativeLinear(nn.Linear):
@@ -64,9 +73,16 @@ class NativeLinear(nn.Linear):
 
     kernels = None
 
+    @functools.cached_property
+    def native_weight(self) -> torch.Tensor:
+        """The weight as the kernels' `linear` reads it fastest: packed once for the AMX tile product
+        where it runs (bf16 on a CPU with amx_bf16; devices/cpu_kernels.cpp: tile_pack), else the
+        weight itself. `weight` stays as loaded, for everything else that reads it."""
+        return self.kernels.tile_pack(self.weight) if self.kernels is not None else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.linear(x, self.weight, self.bias)
+            return self.kernels.linear(x, self.native_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -194,6 +210,8 @@ def linear_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, 
 
     if isinstance(module, Int8Linear):
         return module.packed, module.bias, module.scale
+    if isinstance(module, NativeLinear):
+        return module.native_weight, module.bias, None
     return module.weight, module.bias, None
 
 
