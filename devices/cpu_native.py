@@ -86,6 +86,11 @@ def auto_cpu_dtype(choice: str = "auto", quantization: str | None = None):
     return torch.bfloat16 if kernels is not None and kernels.HAS_BF16_PRODUCT else torch.float32
 
 
+def runs_tile_products(model) -> bool:
+    """Whether the model's products run on AMX tiles (its bf16 weights packed: NativeLinear.native_weight)."""
+    return any(getattr(m, "native_weight", None) is not None and m.native_weight.dim() == 5 for m in model.modules())
+
+
 def describe_cpu_path(model) -> str:
     """The start-up log's line: which path the layers run, and what the CPU offers."""
     import torch
@@ -95,8 +100,8 @@ def describe_cpu_path(model) -> str:
     if kernels is None:
         return f"pure torch; torch {torch.__version__} products; CPU features: {features}"
     dtypes = "float32 and bfloat16" if kernels.HAS_BF16_PRODUCT else "float32"
-    tiles = any(getattr(m, "native_weight", None) is not None and m.native_weight.dim() == 5 for m in model.modules())
-    tiled = "; bfloat16 weights packed for AMX tiles, their products native at every row count" if tiles else ""
+    tiled = "; bfloat16 weights packed for AMX tiles, their products native at every row count" \
+        if runs_tile_products(model) else ""
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
             f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}; "
             f"CPU features: {features}")

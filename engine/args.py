@@ -100,7 +100,8 @@ class ServerArgs:
                                                    "reads only their LM head rows. Default: the whole vocabulary.")
     speculative_draft_quantization: str = flag(
         "auto", "Weight-only quantization of the draft model (EAGLE / EAGLE-3 head, standalone draft): int8, none, or "
-                "auto: int8 where the target runs the native CPU kernels, else as --quantization. The draft only "
+                "auto: int8 where the target runs the native CPU kernels but not their AMX tile products, else as "
+                "--quantization. The draft only "
                 "proposes and the target verifies, so the output does not change; only what is accepted may.",
         ["auto", "none", "int8"])
     speculative_num_steps: int | None = flag(None, "Draft tokens proposed per step (chain length); default: "

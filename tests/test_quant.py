@@ -70,8 +70,12 @@ def test_int8_model_tracks_the_float_model(cpu_kernels_choice):
     assert (logits[None].argmax(-1) == logits["int8"].argmax(-1)).float().mean() >= 0.9
 
 
+TILES = kernels is not None and kernels.tile_products_run()      # --dtype auto is bf16 on such a CPU
+
+
 @pytest.mark.parametrize("flags, expected", [
-    ([], "int8"),                                                    # auto, native kernels: int8 drafts
+    ([], "int8"),                                     # auto (float32 in the tests), native kernels: int8 drafts
+    (["--dtype", "bfloat16"], None if TILES else "int8"),          # bf16 products on AMX tiles: a bf16 head
     (["--cpu-kernels", "torch"], None),                              # auto without them: as --quantization
     (["--cpu-kernels", "torch", "--quantization", "int8"], "int8"),
     (["--speculative-draft-quantization", "none"], None),
