@@ -878,13 +878,17 @@ bool is_tile_packed(const at::Tensor& w) {
 }
 
 // W [N, K] in tile_product's form where it runs (AMX built and granted, the native products on, bf16,
-// N a multiple of 16 and K of 32); else W itself, for the other products.
+// N a multiple of 16 and K of 32); else W itself, for the other products. A stack [E, N, K] (MoE
+// experts) packs each matrix: [E, N/16, K/32, 16, 16, 2], whose [e] is expert e's packed weight.
 at::Tensor tile_pack(const at::Tensor& w) {
-  const bool fits = HAS_TILE_PRODUCT && float_products_enabled && w.dim() == 2 && w.scalar_type() == at::kBFloat16 &&
-                    w.size(0) % 16 == 0 && w.size(1) % 32 == 0 && w.size(0) > 0 && w.size(1) > 0;
+  const int64_t n = w.dim() >= 2 ? w.size(-2) : 0, k = w.dim() >= 2 ? w.size(-1) : 0;
+  const bool fits = HAS_TILE_PRODUCT && float_products_enabled && (w.dim() == 2 || w.dim() == 3) &&
+                    w.scalar_type() == at::kBFloat16 && n % 16 == 0 && k % 32 == 0 && n > 0 && k > 0;
   if (!fits || !tiles_granted()) return w;
   // packed[nb][kb][p][c][e] = W[16 nb + c][32 kb + 2 p + e]
-  return w.contiguous().view({w.size(0) / 16, 16, w.size(1) / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+  if (w.dim() == 3)
+    return w.contiguous().view({w.size(0), n / 16, 16, k / 32, 16, 2}).permute({0, 1, 3, 4, 2, 5}).contiguous();
+  return w.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
 }
 
 // The [N, K] matrix of a packed weight.
@@ -1013,8 +1017,12 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids_in, 
   const int64_t tokens = x.size(0), top_k = expert_ids.size(1), experts = gate_up.size(0);
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == tokens && weights.sizes() == expert_ids.sizes(),
               "moe_experts: expert_ids and weights must be [tokens, top_k]");
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && down.size(0) == experts && gate_up.size(2) == x.size(1)
-              && down.size(1) == x.size(1) && gate_up.size(1) == 2 * down.size(2), "moe_experts: expert weights do not fit");
+  // a stack of [N, K] matrices, or of tile-packed ones (tile_pack: [E, N/16, K/32, 16, 16, 2])
+  auto stacked = [](const at::Tensor& t) { return t.dim() == 3 || (t.dim() == 6 && is_tile_packed(t[0])); };
+  auto outputs = [](const at::Tensor& t) { return t.dim() == 6 ? t.size(1) * 16 : t.size(1); };
+  auto inputs = [](const at::Tensor& t) { return t.dim() == 6 ? t.size(2) * 32 : t.size(2); };
+  TORCH_CHECK(stacked(gate_up) && stacked(down) && down.size(0) == experts && inputs(gate_up) == x.size(1)
+              && outputs(down) == x.size(1) && outputs(gate_up) == 2 * inputs(down), "moe_experts: expert weights do not fit");
   // pairs grouped by held expert, in pair order within each (a counting sort)
   const int64_t* ids = expert_ids.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> pairs(experts);
@@ -1050,6 +1058,34 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids_in, 
   return out;
 }
 
+// A draft step's choice: each row's argmax (the first of equal maxima, or the first NaN, as torch's
+// max) and its softmax probability 1 / sum_j e^(l_j - max), in one pass over the logits where the
+// torch path (spec/chains.py: top_choice) runs five operators.
+std::tuple<at::Tensor, at::Tensor> top_choice(const at::Tensor& logits_in) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "top_choice: logits must be [rows, vocab > 0]");
+  const auto logits = logits_in.to(at::kFloat).contiguous();
+  check_cpu_rows(logits, "logits");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto top = at::empty({rows}, logits.options().dtype(at::kLong));
+  auto confidence = at::empty({rows}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* tp = top.data_ptr<int64_t>();
+  float* cp = confidence.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = lp + r * vocab;
+    float best = row[0];
+    int64_t at = 0;
+    for (int64_t j = 0; j < vocab && !std::isnan(best); ++j)
+      if (row[j] > best || std::isnan(row[j])) best = row[j], at = j;
+    float total = 0.f;
+_Pragma("omp simd reduction(+ : total)")
+    for (int64_t j = 0; j < vocab; ++j) total += fast_exp(row[j] - best);
+    tp[r] = at;
+    cp[r] = 1.f / total;
+  }
+  return {top, confidence};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1074,5 +1110,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention", release);
   m.def("dense_layers", &dense_layers, "every layer of a dense model, one dense_layer after another", release);
   m.def("moe_experts", &moe_experts, "the routed experts of a sparse MoE block, weighted and summed", release);
+  m.def("top_choice", &top_choice, "each row's argmax and its softmax probability", release);
   m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache", release);
 }

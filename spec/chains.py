@@ -30,8 +30,12 @@ class Chain:
     widths: torch.Tensor | None = None
 
 
-def top_choice(logits: torch.Tensor, with_confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """argmax of each row of draft logits, and its softmax probability when asked."""
+def top_choice(logits: torch.Tensor, with_confidence: bool, kernels=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """argmax of each row of draft logits, and its softmax probability when asked; in one native call
+    where the draft model runs the CPU kernels (`kernels`: its module's, devices/cpu_native.py)."""
+    if kernels is not None and logits.device.type == "cpu":
+        top, confidence = kernels.top_choice(logits)
+        return top, confidence if with_confidence else None
     top_logit, top = logits.max(dim=-1)
     if not with_confidence:
         return top, None

@@ -73,7 +73,7 @@ class EagleWorker(SpecWorker):
         """Head output rows -> draft tokens (target ids), q over the target vocab when any row
         samples (else None), and the head's top-1 probability of each row (None where chains are not trimmed)."""
         logits = self.head.compute_logits(hidden)
-        top, confidence = top_choice(logits, self.trims)
+        top, confidence = top_choice(logits, self.trims, self.head.kernels)
         greedy = self.head.draft_to_target(top)
         if sb.all_greedy:
             return greedy, None, confidence
@@ -95,7 +95,7 @@ class EagleWorker(SpecWorker):
 
     def propose_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Head output rows -> greedy draft tokens (target ids): propose's choice for greedy rows."""
-        return self.head.draft_to_target(top_choice(self.head.compute_logits(hidden), False)[0])
+        return self.head.draft_to_target(top_choice(self.head.compute_logits(hidden), False, self.head.kernels)[0])
 
     def draft(self, inp, rows: torch.Tensor, L: torch.Tensor) -> Chain:
         k, sb = inp.spec.chain, inp.sampling

@@ -65,7 +65,7 @@ class StandaloneWorker(SpecWorker):
         """Draft output rows -> draft tokens, q (the draft's filtered distribution) when any row
         samples, and the draft's top-1 probability of each row where chains are trimmed."""
         logits = self.draft_model.compute_logits(hidden)
-        greedy, confidence = top_choice(logits, self.trims)
+        greedy, confidence = top_choice(logits, self.trims, self.draft_model.kernels)
         if sb.all_greedy:
             return greedy, None, confidence
         q = filtered_probs(logits, sb)
@@ -94,7 +94,7 @@ class StandaloneWorker(SpecWorker):
 
     def propose_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft output rows -> greedy draft tokens: propose's choice for greedy rows."""
-        return top_choice(self.draft_model.compute_logits(hidden), False)[0]
+        return top_choice(self.draft_model.compute_logits(hidden), False, self.draft_model.kernels)[0]
 
     def draft(self, inp, rows: torch.Tensor, L: torch.Tensor) -> Chain:
         k, sb = inp.spec.chain, inp.sampling

@@ -130,19 +130,27 @@ def test_only_bf16_weights_of_whole_tiles_pack_and_a_packed_weight_refuses_other
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 @pytest.mark.parametrize("held", [(0, 8), (2, 5)], ids=["all-experts", "expert-parallel-share"])
-def test_moe_experts_match_the_grouped_torch_path(dtype, tokens, held):
+@pytest.mark.parametrize("hidden", [48, 64])         # 64: whole AMX tiles, the experts pack
+def test_moe_experts_match_the_grouped_torch_path(dtype, tokens, held, hidden):
     from engine.models.moe import StackedExperts
     gen = torch.Generator().manual_seed(tokens)
-    experts = StackedExperts(8, 48, 32)
-    experts.gate_up_proj.data = torch.randn(8, 64, 48, generator=gen) / 7
-    experts.down_proj.data = torch.randn(8, 48, 32, generator=gen) / 6
+    experts = StackedExperts(8, hidden, 32)
+    experts.gate_up_proj.data = torch.randn(8, 64, hidden, generator=gen) / 7
+    experts.down_proj.data = torch.randn(8, hidden, 32, generator=gen) / 6
     experts.keep(*held)
     experts = experts.to(dtype)
-    x = torch.randn(tokens, 48, generator=gen).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, expert_ids = torch.topk(torch.rand(tokens, 8, generator=gen).softmax(-1), 2, dim=-1)
     reference = experts.forward_grouped(x, expert_ids, weights)
     native = kernels.moe_experts(x, expert_ids, weights, experts.gate_up_proj, experts.down_proj, experts.first)
     torch.testing.assert_close(native, reference, **tolerance(dtype))
+    if dtype == torch.bfloat16 and TILES and hidden == 64:       # each expert packed for the tile product
+        gate_up, down = kernels.tile_pack(experts.gate_up_proj), kernels.tile_pack(experts.down_proj)
+        count = held[1] - held[0]
+        assert gate_up.shape == (count, 4, 2, 16, 16, 2) and down.shape == (count, 4, 1, 16, 16, 2)
+        assert torch.equal(kernels.tile_unpack(gate_up[1]), experts.gate_up_proj[1])
+        tiled = kernels.moe_experts(x, expert_ids, weights, gate_up, down, experts.first)
+        torch.testing.assert_close(tiled, reference, **tolerance(dtype))
     if held == (2, 5):             # rows routed to no held expert stay 0
         unrouted = ((expert_ids < 2) | (expert_ids >= 5)).all(dim=-1)
         assert torch.all(native[unrouted] == 0)
@@ -340,3 +348,27 @@ def test_the_stacked_layers_call_equals_the_layers_one_by_one(quantization):
         logits = [step_logits(model, PagedRunner(model.kv_layout(), torch.float32, max_requests=2, max_context=64),
                               steps) for model in (stacked, one_by_one)]
     assert torch.equal(*logits)
+
+
+def test_top_choice_is_torch_s_argmax_and_softmax_probability():
+    """The draft step's choice (spec/chains.py: top_choice) natively: the first of equal maxima, the
+    first NaN, and the top token's softmax probability, for float32 and bf16 logits."""
+    from spec.chains import top_choice
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4096, generator=gen) * 4
+    logits[1, 7] = logits[1, 900] = 50.0                  # a tie: the first
+    logits[2] = 0.0                                        # all equal: index 0, probability 1 / vocab
+    logits[3, 11] = float("nan")                           # a NaN wins, as in torch's max
+    logits[4, 4095] = 1e4                                  # one huge logit: probability 1
+    logits[5] = -1e4                                       # all far below zero
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        top, confidence = top_choice(x, True, kernels)
+        ref_top, ref_confidence = top_choice(x.float(), True)
+        assert torch.equal(top, ref_top)
+        ok = ~torch.isnan(ref_confidence)
+        torch.testing.assert_close(confidence[ok], ref_confidence[ok], atol=1e-6, rtol=1e-5)
+        assert torch.isnan(confidence[3]) and top[3] == 11
+        assert top_choice(x, False, kernels)[1] is None
+    with pytest.raises(RuntimeError, match="top_choice: logits must be"):
+        kernels.top_choice(torch.zeros(3))

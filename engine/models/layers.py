@@ -54,15 +54,25 @@ def use_cpu_kernels(model: nn.Module, kernels) -> None:
         if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts, VocabProjection,
                                NativeLinear)):
             module.kernels = kernels
-            module.__dict__.pop("native_weight", None)       # packed for the kernels they had
-            module.__dict__.pop("native_lm_head_of", None)
+            for packed in ("native_weight", "native_weights", "native_lm_head_of"):   # for the kernels they had
+                module.__dict__.pop(packed, None)
     if kernels is not None:                                  # pack now, not in the first request's forward
-        for module in model.modules():
-            if isinstance(module, NativeLinear):
-                module.native_weight
-            elif (isinstance(module, VocabProjection) and module._modules.get("lm_head_int8") is None
-                  and module.lm_head_weight() is not None):      # a draft head's is bound later
-                module.native_lm_head()
+        pack_native_weights(model)
+
+
+def pack_native_weights(model: nn.Module) -> None:
+    """Read every cached packed weight once, so the first request's forward finds them ready."""
+    from engine.models.base import VocabProjection
+    from engine.models.moe import StackedExperts
+
+    for module in model.modules():
+        if isinstance(module, NativeLinear):
+            _ = module.native_weight                         # cached_property: packs on first read
+        elif isinstance(module, StackedExperts):
+            _ = module.native_weights
+        elif (isinstance(module, VocabProjection) and module._modules.get("lm_head_int8") is None
+              and module.lm_head_weight() is not None):      # a draft head's is bound later
+            module.native_lm_head()
 
 
 class NativeLinear(nn.Linear):

@@ -13,6 +13,8 @@ The loader stacks the per-expert checkpoint tensors (`experts.N.gate_proj.weight
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,13 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(self.gate_up_proj.data[first:last].clone(), requires_grad=False)
         self.down_proj = nn.Parameter(self.down_proj.data[first:last].clone(), requires_grad=False)
         self.first, self.num_experts = first, last - first
+        self.__dict__.pop("native_weights", None)          # packed from the experts held before
+
+    @functools.cached_property
+    def native_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) as the kernels' moe_experts reads them fastest: each expert's matrix packed
+        for the AMX tile product where it runs (NativeLinear.native_weight), else the stacks as held."""
+        return self.kernels.tile_pack(self.gate_up_proj), self.kernels.tile_pack(self.down_proj)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, K] -> sum over the k pairs whose expert this module holds
@@ -49,7 +58,7 @@ class StackedExperts(nn.Module):
         if x.device.type != "cpu":
             return self.forward_masked(x, expert_ids, weights)
         if self.kernels is not None:       # the grouped path in one native call
-            return self.kernels.moe_experts(x, expert_ids, weights, self.gate_up_proj, self.down_proj, self.first)
+            return self.kernels.moe_experts(x, expert_ids, weights, *self.native_weights, self.first)
         return self.forward_grouped(x, expert_ids, weights)
 
     def forward_grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
