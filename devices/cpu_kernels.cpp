@@ -1086,6 +1086,50 @@ _Pragma("omp simd reduction(+ : total)")
   return {top, confidence};
 }
 
+
+// An EAGLE-1 head's greedy draft chain in one call (engine/models/eagle.py: LlamaForCausalLMEagle.draft_chain),
+// step after step what the head's modules compute from Python: for steps i = 1..steps, with d the last
+// draft and g the head's last output, at position start + i - 1 of each row,
+//   g = dense_layer(linear(cat(embed[d], g), fc)); d = argmax(lm_head(g)) with its softmax probability p;
+// a row keeps verifying while it kept the draft before and p >= threshold (NaN keeps), and the chain
+// ends before a step that no row keeps. Returns the drafts [B, 1 + m] (first is d_1) and what each
+// row kept [m, B], for the m steps taken.
+std::tuple<at::Tensor, at::Tensor> eagle_chain(
+    const at::Tensor& first, const at::Tensor& hidden, const at::Tensor& start, const at::Tensor& table,
+    at::Tensor k_cache, at::Tensor v_cache, int64_t steps, const at::Tensor& keep_in, double threshold,
+    const at::Tensor& embed, const at::Tensor& inv_freq, const at::Tensor& fc_w, const c10::optional<at::Tensor>& fc_b,
+    const c10::optional<at::Tensor>& fc_s, const at::Tensor& head_w, const c10::optional<at::Tensor>& head_s,
+    const std::vector<c10::optional<at::Tensor>>& w, double eps, double qk_eps, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double scale, int64_t int8_max_rows) {
+  const int64_t batch = first.numel();
+  TORCH_CHECK(first.dim() == 1 && first.scalar_type() == at::kLong && hidden.dim() == 2 && hidden.size(0) == batch
+              && start.sizes() == first.sizes() && start.scalar_type() == at::kLong && table.dim() == 2
+              && table.size(0) == batch && keep_in.sizes() == first.sizes() && keep_in.scalar_type() == at::kBool,
+              "eagle_chain: first, start, keep [B], hidden [B, H] and table [B, W] must agree");
+  TORCH_CHECK(w.size() == 16 && w[1] && w[2] && w[5] && w[8] && w[11], "eagle_chain: the layer is malformed");
+  TORCH_CHECK(steps >= 0, "eagle_chain: steps must be >= 0");
+  const auto rows = at::arange(batch, first.options());
+  const auto ones = at::ones_like(first);
+  std::vector<at::Tensor> drafts{first}, kept;
+  at::Tensor g = hidden, keep = keep_in, draft = first;
+  for (int64_t i = 1; i <= steps; ++i) {
+    const at::Tensor embeds = embed.index_select(0, draft);          // checks each id against the vocabulary
+    const at::Tensor x = layer_linear(at::cat({embeds, g.to(embeds.scalar_type())}, -1), fc_w, fc_b, fc_s, int8_max_rows);
+    const at::Tensor kv_len = start + i;                    // the new token at position start + i - 1
+    const at::Tensor rope = rope_table(rows, ones, kv_len, batch, inv_freq);
+    g = dense_layer(x, rope, k_cache, v_cache, rows, ones, kv_len, rows, table, w[0], *w[1], eps, *w[2], w[3], w[4],
+                    *w[5], w[6], w[7], *w[8], w[9], w[10], *w[11], w[12], w[13], w[14], w[15], qk_eps, num_heads,
+                    num_kv_heads, head_dim, scale, int8_max_rows);
+    const at::Tensor logits = layer_linear(g, head_w, {}, head_s, int8_max_rows).to(at::kFloat);
+    const auto [top, confidence] = top_choice(logits);
+    keep = keep & confidence.lt(threshold).logical_not();
+    if (!keep.any().item<bool>()) break;                    // no row verifies this draft: the chain ends
+    drafts.push_back(top);
+    kept.push_back(keep);
+    draft = top;
+  }
+  return {at::stack(drafts, 1), kept.empty() ? at::zeros({0, batch}, keep_in.options()) : at::stack(kept, 0)};
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1111,5 +1155,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_layers", &dense_layers, "every layer of a dense model, one dense_layer after another", release);
   m.def("moe_experts", &moe_experts, "the routed experts of a sparse MoE block, weighted and summed", release);
   m.def("top_choice", &top_choice, "each row's argmax and its softmax probability", release);
+  m.def("eagle_chain", &eagle_chain, "an EAGLE-1 head's greedy draft chain, trimmed by confidence", release);
   m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache", release);
 }

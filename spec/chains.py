@@ -47,12 +47,12 @@ def stack_chain(drafts: list[torch.Tensor], qs: list, rows: torch.Tensor, widths
     return Chain(drafts_t, lambda: torch.stack(qs, dim=1), widths)
 
 
-def greedy_chain(drafts: torch.Tensor) -> Chain:
-    """A whole chain of greedy drafts [B, k] (from a captured draft step: an all-greedy batch, whose
-    verify never asks for q)."""
+def greedy_chain(drafts: torch.Tensor, widths: torch.Tensor | None = None) -> Chain:
+    """A whole chain of greedy drafts [B, k] (from a captured draft step or one native call: an
+    all-greedy batch, whose verify never asks for q)."""
     def no_probs() -> torch.Tensor:
         raise RuntimeError("a greedy chain has no draft distributions")
-    return Chain(drafts, no_probs)
+    return Chain(drafts, no_probs, widths)
 
 
 class ConfidenceTrim:

@@ -27,6 +27,7 @@ kv_len, that is what a request takes along to continue elsewhere (export_row / i
 """
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -34,7 +35,7 @@ from engine.models.attention import chain_step_batch
 from engine.models.loader import load_draft
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from spec.base import SpecWorker, Verified, draft_quantization
-from spec.chains import Chain, greedy_chain, stack_chain, top_choice
+from spec.chains import DRAFT_CONFIDENCE, Chain, ConfidenceTrim, greedy_chain, stack_chain, top_choice
 from spec.draft_graphs import EagleGraphs
 
 ROW_STATE = ("draft_first", "draft_hidden", "first_confidence", "first_probs")
@@ -110,6 +111,10 @@ class EagleWorker(SpecWorker):
         qs = [None if sb.all_greedy else self.first_probs[rows]][:k]       # q only matters when sampling
         g = self.draft_hidden[rows]
         table = self.chain_table(inp, rows) if k > 1 else None
+        if k > 1 and sb.all_greedy:
+            chain = self.native_chain(rows, L, table, k, trim)
+            if chain is not None:
+                return chain
         for i in range(2, k + 1):
             g = self.head(drafts[-1], g, chain_step_batch(L + (i - 2), table, self.draft_kv))
             token, q, confidence = self.propose(g, sb, salt=1 + i)
@@ -118,6 +123,19 @@ class EagleWorker(SpecWorker):
             drafts.append(token)
             qs.append(q)
         return stack_chain(drafts, qs, rows, trim.widths() if trim else None)
+
+    def native_chain(self, rows: torch.Tensor, L: torch.Tensor, table: torch.Tensor, k: int,
+                     trim: ConfidenceTrim | None) -> Chain | None:
+        """draft's loop for an all-greedy batch in one call, where the head has one (draft_chain)."""
+        keep = trim.kept[-1] if trim else torch.ones_like(rows, dtype=torch.bool)
+        chain = self.head.draft_chain(self.draft_first[rows], self.draft_hidden[rows], L, table, self.draft_kv, k - 1,
+                                      keep, DRAFT_CONFIDENCE if trim else -math.inf)
+        if chain is None:
+            return None
+        drafts, kept = chain
+        if trim:
+            trim.kept.extend(kept.unbind(0))
+        return greedy_chain(drafts, trim.widths() if trim else None)
 
     def extend(self, inp, rows: torch.Tensor, L: torch.Tensor, v: Verified, marks: list) -> None:
         """The head reads every verified token (a plain step, w == 0, still extends by one) and row

@@ -372,3 +372,72 @@ def test_top_choice_is_torch_s_argmax_and_softmax_probability():
         assert top_choice(x, False, kernels)[1] is None
     with pytest.raises(RuntimeError, match="top_choice: logits must be"):
         kernels.top_choice(torch.zeros(3))
+
+
+def draft_step_by_step(head, first, hidden, start, table, kv, steps, keep, threshold):
+    """What the EAGLE worker's loop computes from Python: forward, compute_logits, top_choice and the
+    keep rule at each step; the drafts, the rows kept and each step's confidences."""
+    from spec.chains import top_choice
+    drafts, kept, confidences, g = [first], [], [], hidden
+    for i in range(1, steps + 1):
+        g = head(drafts[-1], g, chain_step_batch(start + i - 1, table, kv))
+        top, confidence = top_choice(head.compute_logits(g), True, head.kernels)
+        confidences.append(confidence)
+        keep = keep & ~(confidence < threshold)
+        if not bool(keep.any()):
+            break
+        drafts.append(top)
+        kept.append(keep)
+    return torch.stack(drafts, 1), torch.stack(kept) if kept else torch.zeros(0, first.numel(), dtype=torch.bool), confidences
+
+
+@pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("trim", ["none", "rows-drop", "early-end"])
+def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, trim):
+    """eagle_chain (LlamaForCausalLMEagle.draft_chain) against the worker's loop from Python: the
+    same drafts, the same rows kept, the chain ending at the same step, the same keys and values in
+    the cache. The head reads a prompt of repeated tokens, so its drafts are confident."""
+    from engine.models.loader import load_draft, load_model
+    from engine.models.testing import PagedRunner
+    target = load_model(DENSE, dtype, "cpu", cpu_kernels="native", quantization=quantization)[0]
+    head = load_draft(DENSE.with_name("tandem-dense-eagle"), target, dtype, "cpu", cpu_kernels="native",
+                      quantization=quantization)[0]
+    lengths, steps = [40, 47, 61], 5
+    prompts = [[(7 + 3 * b + i) % 11 + 100 for i in range(n)] for b, n in enumerate(lengths)]
+    runners = [PagedRunner(head.kv_layout(), dtype, max_requests=3, max_context=96) for _ in range(3)]
+    with torch.inference_mode():
+        ids, batch = PagedRunner(target.kv_layout(), dtype, max_requests=3, max_context=96).step(list(enumerate(prompts)))
+        features = target(ids, batch).hidden
+        for runner in runners:
+            ids, batch = runner.step(list(enumerate(prompts)))
+            g = head(ids, features, batch)
+        last = torch.tensor(lengths).cumsum(0) - 1
+        hidden, first = g[last], head.compute_logits(g[last]).argmax(-1)
+        start, keep, table = torch.tensor(lengths), torch.tensor([True, True, False]), runners[0].req_to_slot
+        confidences = torch.stack(draft_step_by_step(head, first, hidden, start, table, runners[2].kv, steps, keep,
+                                                     float("-inf"))[2])[:, :2]
+        threshold = {"none": float("-inf"), "rows-drop": confidences.median().item(),
+                     "early-end": confidences[0].max().item() + 1e-3}[trim]
+        drafts, kept, _ = draft_step_by_step(head, first, hidden, start, table, runners[0].kv, steps, keep, threshold)
+        native_drafts, native_kept = head.draft_chain(first, hidden, start, table, runners[1].kv, steps, keep, threshold)
+    assert torch.equal(native_drafts, drafts) and torch.equal(native_kept, kept)
+    assert {"none": kept.shape[0] == steps and torch.equal(kept[-1], keep),
+            "rows-drop": kept.shape[0] >= 1 and not torch.equal(kept[-1], keep) or kept.shape[0] < steps,
+            "early-end": kept.shape[0] == 0}[trim]
+    assert torch.equal(runners[0].kv.k[0], runners[1].kv.k[0]) and torch.equal(runners[0].kv.v[0], runners[1].kv.v[0])
+
+
+def test_a_head_the_kernels_cannot_run_whole_drafts_step_by_step():
+    """A token map (draft ids are not target ids) or a cache of another dtype: no native chain."""
+    from engine.models.loader import load_draft, load_model
+    from engine.models.testing import PagedRunner
+    target = load_model(DENSE, torch.float32, "cpu", cpu_kernels="native")[0]
+    head = load_draft(DENSE.with_name("tandem-dense-eagle"), target, torch.float32, "cpu", cpu_kernels="native")[0]
+    one = torch.zeros(1, dtype=torch.long)
+    args = (one, torch.zeros(1, head.hidden_size), one, torch.zeros(1, 8, dtype=torch.long))
+    other_dtype = PagedRunner(head.kv_layout(), torch.bfloat16, max_requests=1, max_context=8).kv
+    assert head.draft_chain(*args, other_dtype, 2, torch.ones(1, dtype=torch.bool), 0.1) is None
+    head.restrict_vocab(torch.arange(0, head.vocab_size, 2))
+    same_dtype = PagedRunner(head.kv_layout(), torch.float32, max_requests=1, max_context=8).kv
+    assert head.draft_chain(*args, same_dtype, 2, torch.ones(1, dtype=torch.bool), 0.1) is None

@@ -99,6 +99,14 @@ class DraftHead(VocabProjection, nn.Module, ABC):
         """Map draft-vocabulary ids to target ids (identity unless the head has a reduced vocabulary)."""
         return ids if self.hot_ids is None else self.hot_ids[ids]
 
+    def draft_chain(self, first: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor, table: torch.Tensor,
+                    kv, steps: int, keep: torch.Tensor,
+                    threshold: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A greedy chain of `steps` drafts after `first` [B] in one native call, where the head has
+        one: the drafts [B, 1 + m] and what each row kept [m, B] (see LlamaForCausalLMEagle). None:
+        the caller drafts step by step."""
+        return None
+
     def lm_head_weight(self) -> torch.Tensor:
         """[draft_vocab, H]: the LM head the drafts are read from."""
         return self.lm_head.weight if self.lm_head is not None else self.lm_head_shared

@@ -15,7 +15,8 @@ from torch import nn
 
 from engine.models.attention import AttentionBatch
 from engine.models.base import CausalLM, DraftHead
-from engine.models.layers import GatedMLP, RotaryEmbedding, check_dense_attention, head_dim_of, rope_parameters
+from engine.models.layers import (GatedMLP, RotaryEmbedding, check_dense_attention, head_dim_of, linear_parts,
+                                  rope_parameters)
 from engine.models.llama import DecoderLayer, make_attention
 
 
@@ -71,3 +72,31 @@ class LlamaForCausalLMEagle(DraftHead):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.project_to_vocab(hidden).float()
+
+    def draft_chain(self, first: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor, table: torch.Tensor,
+                    kv, steps: int, keep: torch.Tensor,
+                    threshold: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The chain forward -> compute_logits -> top_choice would draft step by step, in one native
+        call (devices/cpu_kernels.cpp: eagle_chain): step i reads the last draft and output at
+        position start + i - 1 of each row; a row keeps verifying while its drafts' probabilities
+        stay >= threshold, and the chain ends before a draft no row keeps. Where the kernels cannot
+        run the whole head (no kernels, a token map, a layer module by module, a cache of another
+        dtype): None."""
+        parts = self.native_chain_parts(kv)
+        if parts is None:
+            return None
+        return self.kernels.eagle_chain(first, hidden, start, table, kv.k[0], kv.v[0], steps, keep, threshold, *parts)
+
+    def native_chain_parts(self, kv) -> tuple | None:
+        layer = self.layers[0]
+        weights = layer.native_weights if self.kernels is not None else None
+        if (weights is None or self.hot_ids is not None or self.embed_tokens is None
+                or kv.k[0].dtype != self.embed_tokens.weight.dtype):
+            return None
+        quantized = self._modules.get("lm_head_int8")
+        head_w, head_s = ((quantized.packed, quantized.scale) if quantized is not None
+                          else (self.native_lm_head(), None))
+        fc_w, fc_b, fc_s = linear_parts(self.fc)
+        eps, qk_eps, scalars = weights[2], weights[17], weights[18:]
+        return (self.embed_tokens.weight, self.rotary.inv_freq.float(), fc_w, fc_b, fc_s, head_w, head_s,
+                [weights[0], weights[1], *weights[3:17]], eps, qk_eps, *scalars)
