@@ -388,7 +388,8 @@ def draft_step_by_step(head, first, hidden, start, table, kv, steps, keep, thres
             break
         drafts.append(top)
         kept.append(keep)
-    return torch.stack(drafts, 1), torch.stack(kept) if kept else torch.zeros(0, first.numel(), dtype=torch.bool), confidences
+    kept_rows = torch.stack(kept) if kept else torch.zeros(0, first.numel(), dtype=torch.bool)
+    return torch.stack(drafts, 1), kept_rows, confidences
 
 
 @pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
@@ -407,7 +408,8 @@ def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, tr
     prompts = [[(7 + 3 * b + i) % 11 + 100 for i in range(n)] for b, n in enumerate(lengths)]
     runners = [PagedRunner(head.kv_layout(), dtype, max_requests=3, max_context=96) for _ in range(3)]
     with torch.inference_mode():
-        ids, batch = PagedRunner(target.kv_layout(), dtype, max_requests=3, max_context=96).step(list(enumerate(prompts)))
+        target_runner = PagedRunner(target.kv_layout(), dtype, max_requests=3, max_context=96)
+        ids, batch = target_runner.step(list(enumerate(prompts)))
         features = target(ids, batch).hidden
         for runner in runners:
             ids, batch = runner.step(list(enumerate(prompts)))
@@ -420,7 +422,8 @@ def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, tr
         threshold = {"none": float("-inf"), "rows-drop": confidences.median().item(),
                      "early-end": confidences[0].max().item() + 1e-3}[trim]
         drafts, kept, _ = draft_step_by_step(head, first, hidden, start, table, runners[0].kv, steps, keep, threshold)
-        native_drafts, native_kept = head.draft_chain(first, hidden, start, table, runners[1].kv, steps, keep, threshold)
+        native_drafts, native_kept = head.draft_chain(first, hidden, start, table, runners[1].kv, steps, keep,
+                                                      threshold)
     assert torch.equal(native_drafts, drafts) and torch.equal(native_kept, kept)
     assert {"none": kept.shape[0] == steps and torch.equal(kept[-1], keep),
             "rows-drop": kept.shape[0] >= 1 and not torch.equal(kept[-1], keep) or kept.shape[0] < steps,
