@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -469,3 +470,19 @@ async def test_greedy_is_lossless_through_rank_processes(models, rank_reference,
     assert [tokens for tokens, _ in results] == rank_reference[arch]
     verify_steps = sum(last.spec_verify_ct for _, last in results)
     assert 0 < verify_steps < len(results) * NEW_TOKENS         # speculated, and accepted some drafts
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_the_log_says_when_eagle_chains_run_in_one_native_call(models, kernels, caplog):
+    """LlamaForCausalLMEagle.draft_chain where the kernels run the whole head; step by step without them."""
+    from devices import cpu_native
+    args = parse_args(BASE_FLAGS + spec_flags(models, "dense", "eagle") + ["--cpu-kernels", kernels])
+    device = CpuDevice()
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+            ModelRunner(args, device, 18)
+    finally:
+        device.close()
+    native = kernels == "auto" and cpu_native.cpu_kernels("auto") is not None
+    assert "speculation: eagle" in caplog.text
+    assert ("greedy chains in one native call" in caplog.text) == native

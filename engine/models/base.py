@@ -107,6 +107,10 @@ class DraftHead(VocabProjection, nn.Module, ABC):
         the caller drafts step by step."""
         return None
 
+    def native_chain_parts(self, kv) -> tuple | None:
+        """What draft_chain's native call reads besides the chain's inputs; None: no native chain."""
+        return None
+
     def lm_head_weight(self) -> torch.Tensor:
         """[draft_vocab, H]: the LM head the drafts are read from."""
         return self.lm_head.weight if self.lm_head is not None else self.lm_head_shared

@@ -88,6 +88,7 @@ class LlamaForCausalLMEagle(DraftHead):
         return self.kernels.eagle_chain(first, hidden, start, table, kv.k[0], kv.v[0], steps, keep, threshold, *parts)
 
     def native_chain_parts(self, kv) -> tuple | None:
+        """The head's tensors and scalars in eagle_chain's order, where the kernels run it whole."""
         layer = self.layers[0]
         weights = layer.native_weights if self.kernels is not None else None
         if (weights is None or self.hot_ids is not None or self.embed_tokens is None
