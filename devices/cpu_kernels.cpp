@@ -764,6 +764,24 @@ bool native_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10
          (!bias || (bias->scalar_type() == at::kBFloat16 && bias->numel() == weight.size(0)));
 }
 
+// What a product y = x @ W^T (+ b) of N outputs over K inputs works on: x as [M, K] rows, y [M, N]
+// to fill, the bias made contiguous, and the shape y takes back (x's leading dimensions, then N).
+struct ProductOperands {
+  at::Tensor x, y, bias;
+  std::vector<int64_t> out_shape;
+};
+
+ProductOperands product_operands(const at::Tensor& x_in, int64_t k_dim, int64_t n_dim,
+                                 const c10::optional<at::Tensor>& bias) {
+  ProductOperands ops;
+  ops.x = x_in.reshape({-1, k_dim}).contiguous();
+  ops.out_shape.assign(x_in.sizes().begin(), x_in.sizes().end());
+  ops.out_shape.back() = n_dim;
+  ops.y = at::empty({ops.x.size(0), n_dim}, ops.x.options());
+  if (bias) ops.bias = bias->contiguous();
+  return ops;
+}
+
 // The bf16 product on AMX's tile units (amx_bf16), where the CPU has them: W packed once at load
 // (tile_pack) into 1 KB blocks of 16 output columns x 32 inputs, each block the B operand of one
 // tdpbf16ps, the blocks of 16 columns one after another along K. A tile multiply sums 16 x 32
@@ -817,18 +835,14 @@ void tile_pass(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w, in
 
 at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const int64_t n_blocks = packed.size(0), k_dim = packed.size(1) * TILE_K, n_dim = n_blocks * TILE_COLS;
-  const auto x = x_in.reshape({-1, k_dim}).contiguous();
-  const int64_t rows = x.size(0);
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = n_dim;
-  auto y = at::empty({rows, n_dim}, x.options());
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
+  const int64_t rows = ops.x.size(0);
+  const auto* xp = ops.x.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* bp = bias ? b.data_ptr<c10::BFloat16>() : nullptr;
-  auto* yp = y.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias ? ops.bias.data_ptr<c10::BFloat16>() : nullptr;
+  auto* yp = ops.y.data_ptr<c10::BFloat16>();
   const int64_t groups = (n_blocks + TILE_GROUP - 1) / TILE_GROUP;
-  if (rows == 0) return y.view(out_shape);
+  if (rows == 0) return ops.y.view(ops.out_shape);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[TILE_ROWS * TILE_GROUP * TILE_COLS];
     for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
@@ -859,7 +873,7 @@ at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const 
     }
     _tile_release();
   });
-  return y.view(out_shape);
+  return ops.y.view(ops.out_shape);
 }
 #else
 constexpr bool HAS_TILE_PRODUCT = false;
@@ -902,16 +916,12 @@ at::Tensor tile_unpack(const at::Tensor& packed) {
 template <typename T>
 at::Tensor few_row_product(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const int64_t k_dim = weight.size(1), n_dim = weight.size(0);
-  const auto x = x_in.reshape({-1, k_dim}).contiguous();
-  const int64_t rows = x.size(0);
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = n_dim;
-  auto y = at::empty({rows, n_dim}, x.options());
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  const T* xp = x.data_ptr<T>();
+  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
+  const int64_t rows = ops.x.size(0);
+  const T* xp = ops.x.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
-  const T* bp = bias ? b.data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
+  const T* bp = bias ? ops.bias.data_ptr<T>() : nullptr;
+  T* yp = ops.y.data_ptr<T>();
   const int64_t blocks = (n_dim + FLOAT_BLOCK - 1) / FLOAT_BLOCK;
   const bool prefetch = float_prefetch_enabled;
   at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
@@ -927,7 +937,7 @@ at::Tensor few_row_product(const at::Tensor& x_in, const at::Tensor& weight, con
         product_block<1>(xp + m * k_dim, k_dim, wb, nb, bb, yp + m * n_dim + n0, n_dim, m == 0 ? next : nullptr);
     }
   });
-  return y.view(out_shape);
+  return ops.y.view(ops.out_shape);
 }
 
 // torch's product, or the few-row ones above where they apply.
@@ -980,6 +990,23 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& rope, at::Tensor k
   return h + layer_linear(act, down_w, down_b, down_s, int8_max_rows);
 }
 
+// A layer's tensors as one list, in dense_layer's order (input_norm, post_norm, qkv w/b/s, o w/b/s,
+// gate_up w/b/s, down w/b/s, q_norm, k_norm; absent ones None): checked once, then run as dense_layer.
+void check_layer_list(const std::vector<c10::optional<at::Tensor>>& w, const char* caller) {
+  TORCH_CHECK(w.size() == 16 && w[1] && w[2] && w[5] && w[8] && w[11], caller, ": a layer is malformed");
+}
+
+at::Tensor listed_dense_layer(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& q_start, const at::Tensor& q_len,
+                              const at::Tensor& kv_len, const at::Tensor& rows, const at::Tensor& table,
+                              const std::vector<c10::optional<at::Tensor>>& w, double eps, double qk_eps,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                              int64_t int8_max_rows) {
+  return dense_layer(x, rope, k_cache, v_cache, q_start, q_len, kv_len, rows, table, w[0], *w[1], eps, *w[2], w[3],
+                     w[4], *w[5], w[6], w[7], *w[8], w[9], w[10], *w[11], w[12], w[13], w[14], w[15], qk_eps,
+                     num_heads, num_kv_heads, head_dim, scale, int8_max_rows);
+}
+
 // Every layer of a dense model in one call (dense_layer after dense_layer, the residual stream in
 // between): the stream runs the whole stack without coming back to Python. `layers[i]` holds layer
 // i's tensors in dense_layer's order (input_norm, post_norm, qkv w/b/s, o w/b/s, gate_up w/b/s,
@@ -992,14 +1019,11 @@ at::Tensor dense_layers(const at::Tensor& x_in, const at::Tensor& rope, std::vec
                         int64_t int8_max_rows) {
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "dense_layers: one K and one V cache per layer");
+  for (size_t i = 0; i < layers.size(); ++i) check_layer_list(layers[i], "dense_layers");
   at::Tensor x = x_in;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const auto& w = layers[i];
-    TORCH_CHECK(w.size() == 16 && w[1] && w[2] && w[5] && w[8] && w[11], "dense_layers: layer ", i, " is malformed");
-    x = dense_layer(x, rope, k_caches[i], v_caches[i], q_start, q_len, kv_len, rows, table, w[0], *w[1], eps,
-                    *w[2], w[3], w[4], *w[5], w[6], w[7], *w[8], w[9], w[10], *w[11], w[12], w[13], w[14], w[15],
-                    qk_eps, num_heads, num_kv_heads, head_dim, scale, int8_max_rows);
-  }
+  for (size_t i = 0; i < layers.size(); ++i)
+    x = listed_dense_layer(x, rope, k_caches[i], v_caches[i], q_start, q_len, kv_len, rows, table, layers[i], eps,
+                           qk_eps, num_heads, num_kv_heads, head_dim, scale, int8_max_rows);
   return x;
 }
 
@@ -1086,7 +1110,6 @@ _Pragma("omp simd reduction(+ : total)")
   return {top, confidence};
 }
 
-
 // An EAGLE-1 head's greedy draft chain in one call (engine/models/eagle.py: LlamaForCausalLMEagle.draft_chain),
 // step after step what the head's modules compute from Python: for steps i = 1..steps, with d the last
 // draft and g the head's last output, at position start + i - 1 of each row,
@@ -1106,7 +1129,7 @@ std::tuple<at::Tensor, at::Tensor> eagle_chain(
               && start.sizes() == first.sizes() && start.scalar_type() == at::kLong && table.dim() == 2
               && table.size(0) == batch && keep_in.sizes() == first.sizes() && keep_in.scalar_type() == at::kBool,
               "eagle_chain: first, start, keep [B], hidden [B, H] and table [B, W] must agree");
-  TORCH_CHECK(w.size() == 16 && w[1] && w[2] && w[5] && w[8] && w[11], "eagle_chain: the layer is malformed");
+  check_layer_list(w, "eagle_chain");
   TORCH_CHECK(steps >= 0, "eagle_chain: steps must be >= 0");
   const auto rows = at::arange(batch, first.options());
   const auto ones = at::ones_like(first);
@@ -1117,9 +1140,8 @@ std::tuple<at::Tensor, at::Tensor> eagle_chain(
     const at::Tensor x = layer_linear(at::cat({embeds, g.to(embeds.scalar_type())}, -1), fc_w, fc_b, fc_s, int8_max_rows);
     const at::Tensor kv_len = start + i;                    // the new token at position start + i - 1
     const at::Tensor rope = rope_table(rows, ones, kv_len, batch, inv_freq);
-    g = dense_layer(x, rope, k_cache, v_cache, rows, ones, kv_len, rows, table, w[0], *w[1], eps, *w[2], w[3], w[4],
-                    *w[5], w[6], w[7], *w[8], w[9], w[10], *w[11], w[12], w[13], w[14], w[15], qk_eps, num_heads,
-                    num_kv_heads, head_dim, scale, int8_max_rows);
+    g = listed_dense_layer(x, rope, k_cache, v_cache, rows, ones, kv_len, rows, table, w, eps, qk_eps, num_heads,
+                           num_kv_heads, head_dim, scale, int8_max_rows);
     const at::Tensor logits = layer_linear(g, head_w, {}, head_s, int8_max_rows).to(at::kFloat);
     const auto [top, confidence] = top_choice(logits);
     keep = keep & confidence.lt(threshold).logical_not();
@@ -1130,6 +1152,7 @@ std::tuple<at::Tensor, at::Tensor> eagle_chain(
   }
   return {at::stack(drafts, 1), kept.empty() ? at::zeros({0, batch}, keep_in.options()) : at::stack(kept, 0)};
 }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

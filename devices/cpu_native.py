@@ -88,7 +88,8 @@ def auto_cpu_dtype(choice: str = "auto", quantization: str | None = None):
 
 def runs_tile_products(model) -> bool:
     """Whether the model's products run on AMX tiles (its bf16 weights packed: NativeLinear.native_weight)."""
-    return any(getattr(m, "native_weight", None) is not None and m.native_weight.dim() == 5 for m in model.modules())
+    weights = (getattr(m, "native_weight", None) for m in model.modules())
+    return any(w is not None and w.dim() == 5 for w in weights)
 
 
 def describe_cpu_path(model) -> str:

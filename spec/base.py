@@ -260,9 +260,8 @@ def draft_quantization(args: "ServerArgs", target: Target) -> str | None:
 
     choice = args.speculative_draft_quantization
     if choice == "auto":
-        if getattr(target.model, "kernels", None) is None:
-            return args.quantization
-        return args.quantization if runs_tile_products(target.model) else "int8"
+        native = getattr(target.model, "kernels", None) is not None
+        return "int8" if native and not runs_tile_products(target.model) else args.quantization
     return None if choice == "none" else choice
 
 

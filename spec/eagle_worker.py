@@ -109,14 +109,14 @@ class EagleWorker(SpecWorker):
         trim = self.chain_trim(inp, k, rows.device)
         if trim and not trim.keep(self.first_confidence[rows]):
             k = 0                                               # no row believes its first draft
-        drafts = [self.draft_first[rows]][:k]
-        qs = [None if sb.all_greedy else self.first_probs[rows]][:k]       # q only matters when sampling
-        g = self.draft_hidden[rows]
+        first, g = self.draft_first[rows], self.draft_hidden[rows]
         table = self.chain_table(inp, rows) if k > 1 else None
         if k > 1 and sb.all_greedy:
-            chain = self.native_chain(rows, L, table, k, trim)
+            chain = self.native_chain(first, g, L, table, k, trim)
             if chain is not None:
                 return chain
+        drafts = [first][:k]
+        qs = [None if sb.all_greedy else self.first_probs[rows]][:k]       # q only matters when sampling
         for i in range(2, k + 1):
             g = self.head(drafts[-1], g, chain_step_batch(L + (i - 2), table, self.draft_kv))
             token, q, confidence = self.propose(g, sb, salt=1 + i)
@@ -126,12 +126,12 @@ class EagleWorker(SpecWorker):
             qs.append(q)
         return stack_chain(drafts, qs, rows, trim.widths() if trim else None)
 
-    def native_chain(self, rows: torch.Tensor, L: torch.Tensor, table: torch.Tensor, k: int,
+    def native_chain(self, first: torch.Tensor, g: torch.Tensor, L: torch.Tensor, table: torch.Tensor, k: int,
                      trim: ConfidenceTrim | None) -> Chain | None:
         """draft's loop for an all-greedy batch in one call, where the head has one (draft_chain)."""
-        keep = trim.kept[-1] if trim else torch.ones_like(rows, dtype=torch.bool)
-        chain = self.head.draft_chain(self.draft_first[rows], self.draft_hidden[rows], L, table, self.draft_kv, k - 1,
-                                      keep, DRAFT_CONFIDENCE if trim else -math.inf)
+        keep = trim.kept[-1] if trim else torch.ones_like(first, dtype=torch.bool)
+        chain = self.head.draft_chain(first, g, L, table, self.draft_kv, k - 1, keep,
+                                      DRAFT_CONFIDENCE if trim else -math.inf)
         if chain is None:
             return None
         drafts, kept = chain
