@@ -1,8 +1,11 @@
-"""One linear layer's product on the CPU, through each path PyTorch offers, at the shapes of a model's
-layers: plain F.linear (f32), oneDNN with a prepacked weight (f32 and bf16), MKL's packed f32.
+"""One linear layer's product on the CPU, through each path PyTorch offers and Tandem's native kernels,
+at the shapes of a model's layers: plain F.linear (f32), oneDNN with a prepacked weight (f32 and bf16),
+MKL's packed f32; the native products in f32, bf16 (vectors; AMX tiles on a packed weight where the
+CPU has them) and int8 weight-only (devices/cpu_kernels.cpp).
 
     python bench/cpu_linear.py                           # tandem-dense's shapes, M = 1 and 16
     python bench/cpu_linear.py --shapes 4096x4096,11008x4096 --rows 1,8
+    python bench/cpu_linear.py --weights 1 --rows 1,8,64  # warm: one weight, read from cache
 
 Each product cycles through --weights distinct weight matrices, so that a weight is not in cache when it
 is read (as in a forward, which reads every layer's weights once); the bandwidth column is the f32 weight
@@ -12,10 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from devices import cpu_native  # noqa: E402
+from engine.models.quant import NATIVE_MAX_ROWS as INT8_MAX_ROWS  # noqa: E402
+from engine.models.quant import int8_pack, quantize_weight  # noqa: E402
 
 # tandem-dense: q/k/v stacked, gate/up stacked, down, the LM head
 DEFAULT_SHAPES = "512x256,1536x256,256x768,256x256,4096x256"
@@ -56,6 +66,29 @@ def paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     if torch.backends.mkl.is_available():
         mkl = [(torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w) for w in weights]
         found["MKL packed f32"] = [lambda m=m, w=w: torch.ops.mkl._mkl_linear(x, m, w, None, rows) for m, w in mkl]
+    found.update(native_paths(x, weights))
+    return found
+
+
+def native_paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
+    """The native kernels' products as the model calls them (NativeLinear, Int8Linear), where they
+    build and take these rows; bf16 on vectors from the weight as loaded, on tiles from tile_pack's."""
+    kernels = cpu_native.cpu_kernels("auto")
+    if kernels is None:
+        return {}
+    rows, xb = x.shape[0], x.to(torch.bfloat16)
+    found = {}
+    if rows <= kernels.FLOAT_LINEAR_MAX_ROWS:
+        found["native f32"] = [lambda w=w: kernels.linear(x, w, None) for w in weights]
+        if kernels.HAS_BF16_PRODUCT:
+            bf16 = [w.to(torch.bfloat16) for w in weights]
+            found["native bf16 vectors"] = [lambda w=w: kernels.linear(xb, w, None) for w in bf16]
+    tiles = [kernels.tile_pack(w.to(torch.bfloat16)) for w in weights]
+    if tiles[0].dim() == 5:
+        found["native bf16 tiles"] = [lambda t=t: kernels.linear(xb, t, None) for t in tiles]
+    if rows <= INT8_MAX_ROWS:
+        int8 = [(int8_pack(q), scale) for q, scale in map(quantize_weight, weights)]
+        found["native int8"] = [lambda p=p, s=s: kernels.int8_linear(x, p, s, None) for p, s in int8]
     return found
 
 

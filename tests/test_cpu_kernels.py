@@ -444,3 +444,24 @@ def test_a_head_the_kernels_cannot_run_whole_drafts_step_by_step():
     head.restrict_vocab(torch.arange(0, head.vocab_size, 2))
     same_dtype = PagedRunner(head.kv_layout(), torch.float32, max_requests=1, max_context=8).kv
     assert head.draft_chain(*args, same_dtype, 2, torch.ones(1, dtype=torch.bool), 0.1) is None
+
+
+def test_switching_the_kernels_off_after_a_forward_leaves_nothing_native_cached(monkeypatch):
+    """use_cpu_kernels(model, None) after native forwards: the next forward is the pure-torch one, not
+    a stale stacked call or packed layer list from the kernels the model had."""
+    from engine.models.layers import use_cpu_kernels
+    from engine.models.loader import load_model
+    from engine.models.testing import PagedRunner, step_logits
+    steps = [[(0, list(range(3, 20)))], [(0, [7])]]
+    reference = load_model(DENSE, torch.float32, "cpu", cpu_kernels="torch")[0]
+    model = load_model(DENSE, torch.float32, "cpu", cpu_kernels="native")[0]
+    with torch.inference_mode():
+        step_logits(model, PagedRunner(model.kv_layout(), torch.float32, max_context=64), steps)
+        assert model.native_stack is not None and model.layers[0].native_weights is not None
+        use_cpu_kernels(model, None)
+        for name in ("dense_layers", "dense_layer", "linear", "rms_norm", "attention"):
+            monkeypatch.setattr(kernels, name, lambda *a, **k: pytest.fail("a native kernel ran"), raising=False)
+        logits = [step_logits(m, PagedRunner(m.kv_layout(), torch.float32, max_context=64), steps)
+                  for m in (model, reference)]
+    assert model.native_stack is None and model.layers[0].native_weights is None
+    torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-5)

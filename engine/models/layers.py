@@ -41,6 +41,11 @@ def check_dense_attention(config) -> None:
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
 
 
+# What a module caches from its kernels (packed weights, a layer's or the stack's native call): dropped
+# whenever the kernels change, so that no forward reads what was built for others.
+NATIVE_CACHES = ("native_weight", "native_weights", "native_lm_head_of", "native_stack")
+
+
 def use_cpu_kernels(model: nn.Module, kernels) -> None:
     """Run the model's norms, SwiGLU and attention through the native CPU kernels
     (devices/cpu_native.py); None: the pure-torch path. Both compute the same function."""
@@ -54,8 +59,8 @@ def use_cpu_kernels(model: nn.Module, kernels) -> None:
         if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts, VocabProjection,
                                NativeLinear)):
             module.kernels = kernels
-            for packed in ("native_weight", "native_weights", "native_lm_head_of"):   # for the kernels they had
-                module.__dict__.pop(packed, None)
+        for cached in NATIVE_CACHES:                 # built for the kernels the model had, or for none
+            module.__dict__.pop(cached, None)
     if kernels is not None:                                  # pack now, not in the first request's forward
         pack_native_weights(model)
 
