@@ -911,6 +911,171 @@ at::Tensor tile_unpack(const at::Tensor& packed) {
   return packed.permute({0, 3, 1, 2, 4}).reshape({packed.size(0) * 16, packed.size(1) * 32});
 }
 
+// ---- W8A8: int8 weights against int8 activations (--quantization w8a8_int8) ----
+// W is packed [N/16, K/64, 16, 16, 4] int8 (engine/models/quant.py: w8a8_pack, N and K zero-padded):
+// packed[nb][kb][p][c][e] = W[16 nb + c][64 kb + 4 p + e], each [nb][kb] block the B operand of one
+// AMX tdpbssd. Each row of x is quantized on its own (quantize_rows: scale max |x| / 127, rounded half
+// to even, as torch.round), the products sum in int32, exactly, and y = float(sum) * x_scale[row] *
+// w_scale[n] (+ bias). Exact sums make every way of running it (tiles, the plain loop, any batch) give
+// a row the same values: verify runs keep their decode steps' tokens with no care for the order of sums.
+constexpr int64_t W8_K = 64, W8_COLS = 16, W8_BLOCK = W8_COLS * W8_K;    // int8s of a B block
+constexpr int64_t W8_GROUP = 4, W8_ROWS = 16;                          // blocks of columns, rows of x a pass
+
+bool is_w8a8_packed(const at::Tensor& w) {
+  return w.dim() == 5 && w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 4 && w.scalar_type() == at::kChar;
+}
+
+// x [M, K] -> q [M, k_padded] int8 (zeros past K) and scale [M]: q = round(x / scale), scale = max |x| / 127.
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k_dim, int64_t k_padded, int8_t* q, float* scale) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * k_dim;
+      float amax = 0.f;
+      for (int64_t k = 0; k < k_dim; ++k) amax = std::max(amax, std::fabs(to_float(xr[k])));
+      const float s = std::max(amax, 1e-12f) / 127.f;
+      int8_t* qr = q + r * k_padded;
+      for (int64_t k = 0; k < k_dim; ++k)
+        qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(to_float(xr[k]) / s))));
+      std::memset(qr + k_dim, 0, k_padded - k_dim);
+      scale[r] = s;
+    }
+  });
+}
+
+// The int32 sums of rows [m0, m0 + m) against NB blocks of 16 columns from block n_block: c [m][64].
+template <int NB>
+void w8_plain_pass(const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* w, int64_t n_block, int32_t* c) {
+  const int64_t k_blocks = k_padded / W8_K, column_stride = k_blocks * W8_BLOCK;
+  for (int64_t r = 0; r < m; ++r) {
+    int32_t acc[NB][W8_COLS] = {};
+    const int8_t* xr = xq + r * k_padded;
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      for (int nb = 0; nb < NB; ++nb) {
+        const int8_t* b = w + (n_block + nb) * column_stride + kb * W8_BLOCK;
+        for (int64_t p = 0; p < W8_K / 4; ++p)
+          for (int64_t e = 0; e < 4; ++e) {
+            const int32_t xv = xr[kb * W8_K + 4 * p + e];
+_Pragma("omp simd")
+            for (int64_t j = 0; j < W8_COLS; ++j) acc[nb][j] += xv * b[(p * W8_COLS + j) * 4 + e];
+          }
+      }
+    }
+    for (int nb = 0; nb < NB; ++nb) std::memcpy(c + r * W8_GROUP * W8_COLS + nb * W8_COLS, acc[nb], sizeof(acc[nb]));
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+constexpr bool HAS_W8A8_TILES = true;
+
+// Tiles 0..NB-1: C (m x 16 int32); 4: A (m x 64 int8 of x); 5, 6: B blocks, alternating.
+template <int NB>
+void w8_tile_pass(const int8_t* xq, int64_t k_padded, const int8_t* w, int64_t n_block, int32_t* c) {
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  const int64_t k_blocks = k_padded / W8_K, column_stride = k_blocks * W8_BLOCK;
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    _tile_loadd(4, xq + kb * W8_K, k_padded);
+    const int8_t* b = w + n_block * column_stride + kb * W8_BLOCK;
+    _tile_loadd(5, b, 64);
+    _tile_dpbssd(0, 4, 5);
+    if constexpr (NB > 1) { _tile_loadd(6, b + column_stride, 64); _tile_dpbssd(1, 4, 6); }
+    if constexpr (NB > 2) { _tile_loadd(5, b + 2 * column_stride, 64); _tile_dpbssd(2, 4, 5); }
+    if constexpr (NB > 3) { _tile_loadd(6, b + 3 * column_stride, 64); _tile_dpbssd(3, 4, 6); }
+  }
+  constexpr int64_t ldc = W8_GROUP * W8_COLS * 4;
+  _tile_stored(0, c, ldc);
+  if constexpr (NB > 1) _tile_stored(1, c + W8_COLS, ldc);
+  if constexpr (NB > 2) _tile_stored(2, c + 2 * W8_COLS, ldc);
+  if constexpr (NB > 3) _tile_stored(3, c + 3 * W8_COLS, ldc);
+}
+
+void w8_tile_config(int64_t m) {
+  TileConfig config;
+  for (int t = 0; t <= 4; ++t) config.rows[t] = m, config.colsb[t] = 64;
+  for (int t = 5; t <= 6; ++t) config.rows[t] = W8_K / 4, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+#else
+constexpr bool HAS_W8A8_TILES = false;
+template <int NB>
+void w8_tile_pass(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*) {}
+void w8_tile_config(int64_t) {}
+#endif
+
+std::atomic<bool> w8a8_tiles_enabled{true};
+void set_w8a8_tiles(bool enabled) { w8a8_tiles_enabled = enabled; }      // off: the plain loop (tests, benchmarks)
+bool w8a8_tiles_run() { return HAS_W8A8_TILES && w8a8_tiles_enabled && tiles_granted(); }
+
+template <int NB>
+void w8_pass(bool tiles, const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* w, int64_t n_block, int32_t* c) {
+  if (tiles) w8_tile_pass<NB>(xq, k_padded, w, n_block, c);
+  else w8_plain_pass<NB>(xq, m, k_padded, w, n_block, c);
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(is_w8a8_packed(packed) && packed.is_contiguous(),
+              "w8a8_linear: weight must be packed contiguous int8 [N / 16, K / 64, 16, 16, 4]");
+  const int64_t n_blocks = packed.size(0), k_padded = packed.size(1) * W8_K, k_dim = x_in.size(-1);
+  const int64_t n_dim = scale.numel();
+  TORCH_CHECK(k_dim <= k_padded && k_dim > k_padded - W8_K, "w8a8_linear: input width ", k_dim,
+              " does not fit the weight's ", k_padded, " (padded) inputs");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && n_dim <= n_blocks * W8_COLS &&
+              n_dim > (n_blocks - 1) * W8_COLS, "w8a8_linear: scale must be float32 [N] for the packed blocks");
+  TORCH_CHECK(!bias || (bias->scalar_type() == x_in.scalar_type() && bias->numel() == n_dim),
+              "w8a8_linear: bias must be [N] of the input's dtype");
+  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
+  const int64_t rows = ops.x.size(0);
+  if (rows == 0) return ops.y.view(ops.out_shape);
+  auto xq = at::empty({rows, k_padded}, packed.options());
+  auto xs = at::empty({rows}, scale.options());
+  const bool tiles = w8a8_tiles_run();
+  const int64_t groups = (n_blocks + W8_GROUP - 1) / W8_GROUP;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ops.x.scalar_type(), "w8a8_linear", [&] {
+    quantize_rows(ops.x.data_ptr<scalar_t>(), rows, k_dim, k_padded, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    const int8_t* qp = xq.data_ptr<int8_t>();
+    const float* xsp = xs.data_ptr<float>();
+    const int8_t* wp = packed.data_ptr<int8_t>();
+    const float* wsp = scale.data_ptr<float>();
+    const scalar_t* bp = bias ? ops.bias.data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = ops.y.data_ptr<scalar_t>();
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) int32_t c[W8_ROWS * W8_GROUP * W8_COLS];
+      for (int64_t m0 = 0; m0 < rows; m0 += W8_ROWS) {
+        const int64_t m = std::min(W8_ROWS, rows - m0);
+        if (tiles) w8_tile_config(m);
+        const int8_t* xm = qp + m0 * k_padded;
+        for (int64_t g = begin; g < end; ++g) {
+          const int64_t first = g * W8_GROUP, nb = std::min(W8_GROUP, n_blocks - first);
+          switch (nb) {
+            case 4: w8_pass<4>(tiles, xm, m, k_padded, wp, first, c); break;
+            case 3: w8_pass<3>(tiles, xm, m, k_padded, wp, first, c); break;
+            case 2: w8_pass<2>(tiles, xm, m, k_padded, wp, first, c); break;
+            default: w8_pass<1>(tiles, xm, m, k_padded, wp, first, c);
+          }
+          const int64_t n0 = first * W8_COLS, width = std::min(nb * W8_COLS, n_dim - n0);
+          for (int64_t r = 0; r < m; ++r) {
+            scalar_t* out = yp + (m0 + r) * n_dim + n0;
+            const int32_t* sums = c + r * W8_GROUP * W8_COLS;
+            const float row_scale = xsp[m0 + r];
+            for (int64_t j = 0; j < width; ++j) {
+              const float v = static_cast<float>(sums[j]) * row_scale * wsp[n0 + j];
+              out[j] = round_to<scalar_t>(bp ? v + to_float(bp[n0 + j]) : v);
+            }
+          }
+        }
+      }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+      if (tiles) _tile_release();
+#endif
+    });
+  });
+  return ops.y.view(ops.out_shape);
+}
+
 // The few-row product of T = float or bf16 (product_block's overloads): blocks of FLOAT_BLOCK rows of
 // W split evenly across the threads, each against the rows of x two at a time.
 template <typename T>
@@ -958,11 +1123,13 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
   return at::linear(x_in, weight, bias);
 }
 
-// A linear layer as the model holds it: a float weight [N, K] (float_linear), or a packed int8
-// weight with its scales (int8_linear for a few rows, else the dequantized weight through torch).
+// A linear layer as the model holds it: a float weight [N, K] (float_linear), a W8A8 weight with its
+// scales (w8a8_linear, every row count), or a weight-only int8 one (int8_linear for a few rows, else
+// the dequantized weight through torch).
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         const c10::optional<at::Tensor>& scale, int64_t int8_max_rows) {
   if (!scale) return float_linear(x, weight, bias);
+  if (is_w8a8_packed(weight)) return w8a8_linear(x, weight, *scale, bias);
   if (x.numel() / x.size(-1) <= int8_max_rows) return int8_linear(x, weight, *scale, bias);
   return at::linear(x, int8_dequantize(weight, *scale, x.scalar_type()), bias);
 }
@@ -1172,6 +1339,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_products_run", &tile_products_run, "whether bf16 weights pack for the AMX tile product here");
   m.def("set_native_float_products", &set_native_float_products, "off: float products through torch (benchmarks)");
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");
+  m.def("w8a8_linear", &w8a8_linear, "int8 weights against each row of x quantized to int8, int32 sums", release);
+  m.def("w8a8_tiles_run", &w8a8_tiles_run, "whether w8a8_linear runs on AMX tiles here");
+  m.def("set_w8a8_tiles", &set_w8a8_tiles, "off: w8a8_linear's plain loop, the same sums (tests, benchmarks)");
+  m.attr("HAS_W8A8_TILES") = HAS_W8A8_TILES;
   m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix", release);
   m.def("dense_layer", &dense_layer, "a dense decoder layer: norms, products, attention, SwiGLU", release);
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention", release);

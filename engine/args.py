@@ -62,9 +62,11 @@ class ServerArgs:
                               "kernels multiply bf16 (AVX512-BF16), else float32 (and with int8 weights).",
                       ["auto", "float32", "bfloat16", "float16"])
     quantization: str | None = flag(None, "Weight quantization after loading: int8 (weight-only, one scale per "
-                                          "output channel; the layers' linears and the LM head). Fast on the CPU "
-                                          "with the native kernels; elsewhere weights are dequantized per product.",
-                                    ["int8"])
+                                          "output channel; the layers' linears and the LM head), or w8a8_int8 (the "
+                                          "same weights against each row of activations quantized to int8, int32 "
+                                          "sums; AMX int8 tiles where the CPU has them). Fast on the CPU with the "
+                                          "native kernels; elsewhere torch computes the same function, slowly.",
+                                    ["int8", "w8a8_int8"])
     cpu_kernels: str = flag("auto", "On the CPU, the layers' norms, SwiGLU and attention run native kernels "
                                     "(devices/cpu_kernels.cpp, built at set-up): auto uses them when they build, "
                                     "native insists, torch runs pure PyTorch.", ["auto", "native", "torch"])
@@ -103,7 +105,7 @@ class ServerArgs:
                 "auto: int8 where the target runs the native CPU kernels but not their AMX tile products, else as "
                 "--quantization. The draft only "
                 "proposes and the target verifies, so the output does not change; only what is accepted may.",
-        ["auto", "none", "int8"])
+        ["auto", "none", "int8", "w8a8_int8"])
     speculative_num_steps: int | None = flag(None, "Draft tokens proposed per step (chain length); default: "
                                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_NUM_STEPS.items()) + ".")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")

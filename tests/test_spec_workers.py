@@ -205,13 +205,15 @@ def test_standalone_with_the_target_as_draft_accepts_every_draft(models, in_proc
     assert set(full_chains(steps)) == {K} and all(n == chain for n, chain in steps)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "w8a8_int8"])
 @pytest.mark.parametrize("algorithm", ["eagle", "standalone", "ngram"])
-def test_int8_weights_speculation_is_lossless(models, algorithm):
-    """--quantization int8 (target and draft): every algorithm's greedy output is plain greedy
-    decoding's on the same quantized weights (the native int8 product reads few rows for verify
-    and draft steps and the dequantized product for prompt chunks: the two must agree)."""
+def test_int8_weights_speculation_is_lossless(models, algorithm, quantization):
+    """--quantization int8 / w8a8_int8 (target and draft): every algorithm's greedy output is plain
+    greedy decoding's on the same quantized weights (int8: the native product reads few rows for
+    verify and draft steps and the dequantized product for prompt chunks, the two must agree;
+    w8a8_int8: each row quantized alone, whatever its batch)."""
     prompts = mixed_prompts()
-    int8 = ["--quantization", "int8"]
+    int8 = ["--quantization", quantization]
     reference = generate_in_process(["--model-path", str(models["dense"]), "--speculative-algorithm", "none"] + int8,
                                     prompts)[0]
     outputs, steps, _ = generate_in_process(spec_flags(models, "dense", algorithm) + int8, prompts)

@@ -8,9 +8,10 @@ into windows of --window tokens; each window is one prompt through Tandem's mode
 cache, the CPU kernels the server would use), and every token after the first is scored.
 
 Variants: `none` (the weights as loaded), `int8` (`--quantization int8`: one scale per output
-channel), `q8_0` (llama.cpp's q8_0 format simulated on the same weights: blocks of 32 inputs, one
-scale each, rounded to float16; the products then run in float32, so this is the format's weight
-error alone, not llama.cpp's int8 activations).
+channel), `w8a8_int8` (`--quantization w8a8_int8`: the same weights against activations quantized
+to int8 row by row, as Tandem runs them), `q8_0` (llama.cpp's q8_0 format simulated on the same
+weights: blocks of 32 inputs, one scale each, rounded to float16; the products then run in float32,
+so this is the format's weight error alone, not llama.cpp's int8 activations).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from engine.models.loader import load_model  # noqa: E402
 from engine.models.testing import PagedRunner  # noqa: E402
 
-VARIANTS = ("none", "int8", "q8_0")
+VARIANTS = ("none", "int8", "w8a8_int8", "q8_0")
 
 
 def q8_0_roundtrip(weight: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,7 @@ def apply_q8_0(model: nn.Module) -> None:
 
 
 def load_variant(path: str, variant: str, dtype: torch.dtype):
-    model, _ = load_model(path, dtype, "cpu", quantization="int8" if variant == "int8" else None)
+    model, _ = load_model(path, dtype, "cpu", quantization=variant if variant in ("int8", "w8a8_int8") else None)
     if variant == "q8_0":
         apply_q8_0(model)
     return model
@@ -110,7 +111,7 @@ def main() -> None:
         results[variant] = {"perplexity": ppl, "tokens": scored}
         base = results.get("none", {}).get("perplexity")
         ratio = f"  ({ppl / base - 1:+.2%} against none)" if base and variant != "none" else ""
-        print(f"{variant:6s} perplexity {ppl:.4f} over {scored} held-out tokens{ratio}  "
+        print(f"{variant:9s} perplexity {ppl:.4f} over {scored} held-out tokens{ratio}  "
               f"[{time.perf_counter() - start:.0f} s]", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "dtype": args.dtype, "window": args.window,

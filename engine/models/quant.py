@@ -1,5 +1,7 @@
 """`--quantization int8`: weight-only int8 with one float32 scale per output channel (symmetric,
 scale = max |w| / 127 over the channel's inputs), for the decoder layers' linears and the LM head.
+`--quantization w8a8_int8` (SGLang's name): the same weights, multiplied by each row of activations
+quantized to int8 as it comes (one scale per row, max |x| / 127); see W8A8Linear.
 
 On the CPU with the native kernels, a forward of a few rows (decode, verify, draft steps: where
 reading the weights is the cost) multiplies by the int8 weights directly (devices/cpu_kernels.cpp:
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8_int8")
 PACK = 64                       # output channels side by side in the packed layout (the kernel's PACK)
 NATIVE_MAX_ROWS = 64            # above: the dequantized product is faster (64 rows 11.1 vs 15.9 ms, 96: 14.7 vs 12.2)
 
@@ -69,6 +71,69 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
 
+class W8A8Linear(Int8Linear):
+    """int8 weights against int8 activations: y = (q_x @ q_w^T) * scale_x[row] * scale_w (+ bias), the
+    sums exact in int32. Each row is quantized alone (quantize_rows), so a row's output does not
+    depend on its batch. The weight is packed for AMX's int8 tile product (w8a8_pack); the native
+    kernels run it at every row count, on tiles where the CPU grants them, else a plain loop with the
+    same sums (devices/cpu_kernels.cpp: w8a8_linear). Without them (pure torch, CUDA, NPU) torch
+    computes the same function (w8a8_reference)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        nn.Module.__init__(self)
+        q, scale = quantize_weight(weight)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", w8a8_pack(q))
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def weight_int8(self) -> torch.Tensor:
+        return w8a8_unpack(self.packed, self.out_features, self.in_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight_int8().to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.w8a8_linear(x, self.packed, self.scale, self.bias)
+        return w8a8_reference(x, self.weight_int8(), self.scale, self.bias)
+
+
+def w8a8_pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [N/16, K/64, 16, 16, 4], N and K zero-padded to whole blocks:
+    packed[nb][kb][p][c][e] = q[16 nb + c][64 kb + 4 p + e] (AMX tdpbssd's B operand, block by block)."""
+    n, k = q.shape
+    padded = F.pad(q, (0, -k % 64, 0, -n % 16))
+    n_pad, k_pad = padded.shape
+    return padded.view(n_pad // 16, 16, k_pad // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def w8a8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return packed.permute(0, 3, 1, 2, 4).reshape(packed.shape[0] * 16, packed.shape[1] * 64)[:n, :k]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] as int8 with its float32 scale: max |x| / 127, rounded half to even."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    return torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def w8a8_reference(x: torch.Tensor, q_weight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8Linear's function in torch: the int sums in float64 (exact), scaled as the kernel does."""
+    shape = x.shape
+    q_x, x_scale = quantize_rows(x.reshape(-1, shape[-1]))
+    sums = (q_x.double() @ q_weight.double().T).float()
+    y = sums * x_scale[:, None] * scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*shape[:-1], -1)
+
+
+QUANTIZED_LINEAR = {"int8": Int8Linear, "w8a8_int8": W8A8Linear}
+
+
 def quantize(model: nn.Module, method: str | None) -> None:
     """The layers' nn.Linear modules quantized by `method` (None: left as they are). The LM head is
     quantized apart (quantize_lm_head): a draft head's is known only once bound to its target."""
@@ -79,11 +144,11 @@ def quantize(model: nn.Module, method: str | None) -> None:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and name != "lm_head":
-                setattr(parent, name, Int8Linear.of(child))
+                setattr(parent, name, QUANTIZED_LINEAR[method].of(child))
 
 
 def quantize_lm_head(model: nn.Module, method: str | None) -> None:
     """`lm_head_int8` for project_to_vocab (engine/models/base.py); the float weight stays for the
     embedding lookup and for draft heads that share it."""
     if method is not None:
-        model.lm_head_int8 = Int8Linear(model.lm_head_weight().detach(), None)
+        model.lm_head_int8 = QUANTIZED_LINEAR[method](model.lm_head_weight().detach(), None)
