@@ -1,8 +1,8 @@
-"""One model forward on the CPU, in-process, on each path: pure torch, the native kernels, and the
-native kernels with int8 weights, and the native kernels with one part undone for a side-by-side
-measure of it (float products through torch instead of the native few-row product; the native
-float products fetching no weight block ahead; a dense model:
-its layers called one by one instead of in one call; an MoE model: its experts through the grouped
+"""One model forward on the CPU, in-process, on each path: pure torch, the native kernels, the
+native kernels with int8 weights (weight-only, and w8a8_int8), and the native kernels with one part
+undone for a side-by-side measure of it (float products through torch instead of the native
+few-row product; the native float products fetching no weight block ahead; a dense model: its
+layers called one by one instead of in one call; an MoE model: its experts through the grouped
 Python loop instead of one call); for decodes, verify-like runs and prompts.
 
     python bench/cpu_kernels.py --threads 2 [--model models/tandem-dense] [--rounds 2]
@@ -28,7 +28,8 @@ from engine.models.moe import StackedExperts  # noqa: E402
 from engine.models.testing import PagedRunner  # noqa: E402
 
 PATHS = {"torch": {"cpu_kernels": "torch"}, "native": {"cpu_kernels": "native"},
-         "native-int8": {"cpu_kernels": "native", "quantization": "int8"}}
+         "native-int8": {"cpu_kernels": "native", "quantization": "int8"},
+         "native-w8a8": {"cpu_kernels": "native", "quantization": "w8a8_int8"}}
 EXPERT_LOOP = "native-expert-loop"          # MoE models
 PER_LAYER = "native-per-layer"              # dense models
 TORCH_PRODUCTS = "native-torch-products"    # float products through torch (kernels.set_native_float_products)

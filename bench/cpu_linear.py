@@ -1,7 +1,8 @@
 """One linear layer's product on the CPU, through each path PyTorch offers and Tandem's native kernels,
 at the shapes of a model's layers: plain F.linear (f32), oneDNN with a prepacked weight (f32 and bf16),
 MKL's packed f32; the native products in f32, bf16 (vectors; AMX tiles on a packed weight where the
-CPU has them) and int8 weight-only (devices/cpu_kernels.cpp).
+CPU has them), int8 weight-only and w8a8_int8 (int8 activations; AMX int8 tiles where they run)
+(devices/cpu_kernels.cpp).
 
     python bench/cpu_linear.py                           # tandem-dense's shapes, M = 1 and 16
     python bench/cpu_linear.py --shapes 4096x4096,11008x4096 --rows 1,8
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from devices import cpu_native  # noqa: E402
 from engine.models.quant import NATIVE_MAX_ROWS as INT8_MAX_ROWS  # noqa: E402
-from engine.models.quant import int8_pack, quantize_weight  # noqa: E402
+from engine.models.quant import int8_pack, quantize_weight, w8a8_pack  # noqa: E402
 
 # tandem-dense: q/k/v stacked, gate/up stacked, down, the LM head
 DEFAULT_SHAPES = "512x256,1536x256,256x768,256x256,4096x256"
@@ -89,6 +90,8 @@ def native_paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     if rows <= INT8_MAX_ROWS:
         int8 = [(int8_pack(q), scale) for q, scale in map(quantize_weight, weights)]
         found["native int8"] = [lambda p=p, s=s: kernels.int8_linear(x, p, s, None) for p, s in int8]
+    w8a8 = [(w8a8_pack(q), scale) for q, scale in map(quantize_weight, weights)]
+    found["native w8a8"] = [lambda p=p, s=s: kernels.w8a8_linear(x, p, s, None) for p, s in w8a8]
     return found
 
 

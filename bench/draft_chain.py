@@ -40,7 +40,8 @@ def main() -> None:
     parser.add_argument("--model", default=str(REPO / "models" / "tandem-dense"))
     parser.add_argument("--draft", default=str(REPO / "models" / "tandem-dense-eagle"))
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default=None, choices=["int8"], help="int8: an int8 head (default: none)")
+    parser.add_argument("--quantization", default=None, choices=["int8", "w8a8_int8"],
+                        help="the head's weights (default: unquantized)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=4)

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -926,19 +927,53 @@ bool is_w8a8_packed(const at::Tensor& w) {
 }
 
 // x [M, K] -> q [M, k_padded] int8 (zeros past K) and scale [M]: q = round(x / scale), scale = max |x| / 127.
+// Rounding is half to even (as torch.round): adding and taking away 1.5 * 2^23 (|x / s| <= 127: exact).
+constexpr float ROUND_HALF_EVEN = 12582912.f;
+
+inline int8_t quantize_one(float x, float s) {
+  const float v = std::min(127.f, std::max(-127.f, x / s));
+  return static_cast<int8_t>((v + ROUND_HALF_EVEN) - ROUND_HALF_EVEN);
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t k_dim, int8_t* q, float* scale) {
+  int64_t k = 0;
+  float amax = 0.f;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    Vec16 top = {};
+    for (; k + 16 <= k_dim; k += 16) {
+      const Vec16 v = load16(x + k);
+      const Vec16 a = v < 0 ? -v : v;
+      top = top < a ? a : top;
+    }
+    for (int i = 0; i < 16; ++i) amax = std::max(amax, top[i]);
+  }
+  for (; k < k_dim; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
+  const float s = std::max(amax, 1e-12f) / 127.f;
+  k = 0;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    typedef int32_t I32x16 __attribute__((vector_size(64)));
+    typedef int8_t I8x16 __attribute__((vector_size(16)));
+    for (; k + 16 <= k_dim; k += 16) {
+      Vec16 v = load16(x + k) / s;
+      v = v > 127.f ? 127.f : v;
+      v = v < -127.f ? -127.f : v;
+      const I8x16 r = __builtin_convertvector(__builtin_convertvector((v + ROUND_HALF_EVEN) - ROUND_HALF_EVEN,
+                                                                      I32x16), I8x16);
+      std::memcpy(q + k, &r, sizeof(r));
+    }
+  }
+  for (; k < k_dim; ++k) q[k] = quantize_one(to_float(x[k]), s);
+  *scale = s;
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k_dim, int64_t k_padded, int8_t* q, float* scale) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k_dim, 1));   // threads for prompts only
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * k_dim;
-      float amax = 0.f;
-      for (int64_t k = 0; k < k_dim; ++k) amax = std::max(amax, std::fabs(to_float(xr[k])));
-      const float s = std::max(amax, 1e-12f) / 127.f;
-      int8_t* qr = q + r * k_padded;
-      for (int64_t k = 0; k < k_dim; ++k)
-        qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(to_float(xr[k]) / s))));
-      std::memset(qr + k_dim, 0, k_padded - k_dim);
-      scale[r] = s;
+      quantize_row(x + r * k_dim, k_dim, q + r * k_padded, scale + r);
+      std::memset(q + r * k_padded + k_dim, 0, k_padded - k_dim);
     }
   });
 }

@@ -104,8 +104,18 @@ def describe_cpu_path(model) -> str:
     tiled = "; bfloat16 weights packed for AMX tiles, their products native at every row count" \
         if runs_tile_products(model) else ""
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
-            f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}; "
-            f"CPU features: {features}")
+            f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}"
+            f"{describe_w8a8(model, kernels)}; CPU features: {features}")
+
+
+def describe_w8a8(model, kernels) -> str:
+    """The log's words for --quantization w8a8_int8's products, where the model has them."""
+    from engine.models.quant import W8A8Linear
+
+    if not any(isinstance(m, W8A8Linear) for m in model.modules()):
+        return ""
+    where = "AMX int8 tiles" if kernels.w8a8_tiles_run() else "a plain loop (no AMX int8 tiles here)"
+    return f"; w8a8_int8 products (int8 activations, int32 sums) native at every row count, on {where}"
 
 
 @functools.cache

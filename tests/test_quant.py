@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devices.cpu_native import cpu_kernels
+from devices.cpu_native import cpu_kernels, describe_cpu_path
 from engine.models.quant import (NATIVE_MAX_ROWS, Int8Linear, W8A8Linear, int8_pack, int8_unpack, quantize_rows,
                                  quantize_weight, w8a8_pack, w8a8_reference, w8a8_unpack)
 from tests.server_harness import DENSE
@@ -136,6 +136,9 @@ def test_a_w8a8_model_gives_the_same_logits_on_both_paths(dtype):
     for choice in ("native", "torch"):
         model, _ = load_model(DENSE, dtype, "cpu", choice, "w8a8_int8")
         assert (model.native_stack is not None) == (choice == "native")
+        described = describe_cpu_path(model)
+        assert ("w8a8_int8 products" in described) == (choice == "native")
+        assert choice == "torch" or ("on AMX int8 tiles" in described) == kernels.w8a8_tiles_run()
         runner = PagedRunner(model.kv_layout(), dtype, max_context=96)
         steps = [[(0, list(range(3, 40))), (1, [7, 8, 9])]] + [[(0, [i + 3]), (1, [i + 5, i + 6])] for i in range(4)]
         logits.append(step_logits(model, runner, steps))
