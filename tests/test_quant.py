@@ -63,6 +63,21 @@ def test_w8a8_weights_pack_both_ways_and_activations_quantize_row_by_row():
     assert quantize_rows(torch.zeros(1, 8))[0].eq(0).all()
 
 
+def test_the_w8a8_reference_sums_exactly_past_what_one_float32_sum_holds():
+    """2,500 inputs of +-127 x +-127 pass 2^24: the reference's chunked sums still equal int64 ones."""
+    gen = torch.Generator().manual_seed(3)
+    signs = torch.randint(0, 2, (4, 2500), generator=gen) * 2 - 1
+    q_weight = (signs * 127).to(torch.int8)
+    x = (signs[:2] * 127.0).float() + 0.01 * torch.rand(2, 2500, generator=gen)     # rows quantize to +-127
+    q_x = quantize_rows(x)[0]
+    want = (q_x.long() @ q_weight.long().T).float()
+    assert want.abs().max() > 2 ** 24
+    got = w8a8_reference(x, q_weight, torch.ones(4), None) / quantize_rows(x)[1][:, None]
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+    assert torch.equal(w8a8_reference(x, q_weight, torch.ones(4), None),
+                       want * quantize_rows(x)[1][:, None])
+
+
 @pytest.mark.skipif(kernels is None, reason="the native CPU kernels did not build here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
@@ -158,6 +173,9 @@ TILES = kernels is not None and kernels.tile_products_run()      # --dtype auto 
     (["--cpu-kernels", "torch", "--quantization", "int8"], "int8"),
     (["--speculative-draft-quantization", "none"], None),
     (["--cpu-kernels", "torch", "--speculative-draft-quantization", "int8"], "int8"),
+    (["--quantization", "w8a8_int8"], "w8a8_int8"),                # a W8A8 target, native kernels: W8A8 drafts
+    (["--cpu-kernels", "torch", "--quantization", "w8a8_int8"], "w8a8_int8"),
+    (["--speculative-draft-quantization", "w8a8_int8"], "w8a8_int8"),
 ])
 @pytest.mark.parametrize("algorithm", ["eagle", "standalone"])
 def test_the_draft_model_is_quantized_as_the_flag_resolves(algorithm, flags, expected):
@@ -174,8 +192,9 @@ def test_the_draft_model_is_quantized_as_the_flag_resolves(algorithm, flags, exp
         worker = core.runner.worker
         draft = worker.head if algorithm == "eagle" else worker.draft_model
         assert worker.draft_weights == expected
-        assert any(isinstance(m, Int8Linear) for m in draft.modules()) == (expected == "int8")
-        assert (getattr(draft, "lm_head_int8", None) is not None) == (expected == "int8")
+        kind = {"int8": Int8Linear, "w8a8_int8": W8A8Linear}.get(expected)
+        assert {type(m) for m in draft.modules() if isinstance(m, Int8Linear)} == ({kind} if kind else set())
+        assert type(getattr(draft, "lm_head_int8", None)) is (kind or type(None))
         target_int8 = any(isinstance(m, Int8Linear) for m in core.runner.model.modules())
         assert target_int8 == ("--quantization" in flags)         # the target keeps its own setting
     finally:
