@@ -160,16 +160,17 @@ def test_a_w8a8_model_gives_the_same_logits_on_both_paths(dtype):
 
 
 TILES = kernels is not None and kernels.tile_products_run()      # --dtype auto is bf16 on such a CPU
+W8A8_TILES = kernels is not None and kernels.w8a8_tiles_run()
 
 
 @pytest.mark.parametrize("flags, expected", [
-    ([], "int8"),                                     # auto (float32 in the tests), native kernels: int8 drafts
-    (["--dtype", "bfloat16"], None if TILES else "int8"),          # bf16 products on AMX tiles: a bf16 head
+    ([], "w8a8_int8" if W8A8_TILES else "int8"),      # auto (float32 in the tests), native kernels: int8 drafts,
+    (["--dtype", "bfloat16"], "w8a8_int8" if W8A8_TILES else None if TILES else "int8"),   # W8A8 on int8 tiles
     (["--cpu-kernels", "torch"], None),                              # auto without them: as --quantization
     (["--cpu-kernels", "torch", "--quantization", "int8"], "int8"),
     (["--speculative-draft-quantization", "none"], None),
     (["--cpu-kernels", "torch", "--speculative-draft-quantization", "int8"], "int8"),
-    (["--quantization", "w8a8_int8"], "w8a8_int8"),                # a W8A8 target, native kernels: W8A8 drafts
+    (["--quantization", "w8a8_int8"], "w8a8_int8" if W8A8_TILES else "int8"),
     (["--cpu-kernels", "torch", "--quantization", "w8a8_int8"], "w8a8_int8"),
     (["--speculative-draft-quantization", "w8a8_int8"], "w8a8_int8"),
 ])
@@ -191,6 +192,8 @@ def test_the_draft_model_is_quantized_as_the_flag_resolves(algorithm, flags, exp
         kind = {"int8": Int8Linear, "w8a8_int8": W8A8Linear}.get(expected)
         assert {type(m) for m in draft.modules() if isinstance(m, Int8Linear)} == ({kind} if kind else set())
         assert type(getattr(draft, "lm_head_int8", None)) is (kind or type(None))
+        if algorithm == "eagle" and kind is not None:      # W8A8 keeps the fc of mixed scales in the head's dtype
+            assert isinstance(draft.fc, Int8Linear) == (expected == "int8")
         target_int8 = any(isinstance(m, Int8Linear) for m in core.runner.model.modules())
         assert target_int8 == ("--quantization" in flags)         # the target keeps its own setting
     finally:

@@ -80,6 +80,10 @@ class DraftHead(VocabProjection, nn.Module, ABC):
     lm_head: nn.Linear | None
     lm_head_shared: torch.Tensor | None
     hot_ids: torch.Tensor | None = None      # token map: draft id i is target id hot_ids[i]
+    # `fc` joins token embeddings (|x| ~0.3 in the embedded head) with the target's hidden states (~8),
+    # or EAGLE-3's hidden states of three layers: --quantization w8a8_int8 leaves it in the model's dtype
+    # (engine/models/quant.py: quantize), else the embeddings' half would quantize to a few levels
+    mixed_scale_inputs = ("fc",)
 
     @abstractmethod
     def bind_target(self, target: CausalLM) -> None:

@@ -141,14 +141,17 @@ QUANTIZED_LINEAR = {"int8": Int8Linear, "w8a8_int8": W8A8Linear}
 
 def quantize(model: nn.Module, method: str | None) -> None:
     """The layers' nn.Linear modules quantized by `method` (None: left as they are). The LM head is
-    quantized apart (quantize_lm_head): a draft head's is known only once bound to its target."""
+    quantized apart (quantize_lm_head): a draft head's is known only once bound to its target. Under
+    w8a8_int8 the model's `mixed_scale_inputs` (linears whose input joins vectors of different
+    scales) keep its dtype: one int8 scale a row would leave the smaller part a few levels."""
     if method is None:
         return
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization {method!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+    kept = getattr(model, "mixed_scale_inputs", ()) if method == "w8a8_int8" else ()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and name != "lm_head":
+            if isinstance(child, nn.Linear) and name != "lm_head" and not (parent is model and name in kept):
                 setattr(parent, name, QUANTIZED_LINEAR[method].of(child))
 
 
