@@ -488,8 +488,9 @@ sys.addaudithook(_report_engine)
 @pytest.mark.slow
 def test_compare_checkout_runs_both_trees_side_by_side(tmp_path):
     """Real servers (the embedded model, no speculation) from a worktree of HEAD and from the working tree.
-    One decode step a launch: with several, a 4-token answer's last tokens can come in one chunk, and its
-    median inter-token latency (a ratio below) is then 0."""
+    One decode step a launch: with several, a 4-token answer's last tokens often come in one chunk, and its
+    median inter-token latency (a ratio below) is then 0. Even so, on a loaded machine the client can read
+    two tokens' events at once (CI, once in a 15-minute run): that ratio may be 0, the others may not."""
     out, logs, where, probe = tmp_path / "compare.jsonl", tmp_path / "logs", tmp_path / "wt", tmp_path / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(IMPORT_PROBE)
@@ -515,7 +516,10 @@ def test_compare_checkout_runs_both_trees_side_by_side(tmp_path):
         assert m["output_throughput"] > 0 and m["decode_throughput_per_request"] > 0 and m["median_ttft_ms"] > 0
     (ab,) = record["ab"]
     assert ab["config"] == "none" and ab["against"] == old_name
+    itl = ab["ratios"].pop("median_itl_ms")
     assert all(0 < r < 100 for r in ab["ratios"].values()), ab
+    # 0 (None): the working tree's (the old tree's) answers had two of their three gaps in one read of the stream
+    assert itl is None or 0 <= itl < 100, ab
     old_log, new_log = (logs / f"{old_name}.log").read_text(), (logs / "none.log").read_text()
     assert f"worktree {where} at {commit}" in old_log and f" {where}/run.py " in old_log
     assert f"probe: engine read from {where}/engine/" in old_log and str(REPO / "engine") not in old_log
