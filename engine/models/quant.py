@@ -47,11 +47,16 @@ class Int8Linear(nn.Module):
 
     kernels = None          # the native CPU kernels, when the model runs them (use_cpu_kernels)
 
+    @staticmethod
+    def pack(q: torch.Tensor) -> torch.Tensor:
+        """The int8 weight [N, K] as this layer's product reads it."""
+        return int8_pack(q)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         q, scale = quantize_weight(weight)
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", int8_pack(q))
+        self.register_buffer("packed", self.pack(q))
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
@@ -80,13 +85,9 @@ class W8A8Linear(Int8Linear):
     same sums (devices/cpu_kernels.cpp: w8a8_linear). Without them (pure torch, CUDA, NPU) torch
     computes the same function (w8a8_reference)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        nn.Module.__init__(self)
-        q, scale = quantize_weight(weight)
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", w8a8_pack(q))
-        self.register_buffer("scale", scale)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+    @staticmethod
+    def pack(q: torch.Tensor) -> torch.Tensor:
+        return w8a8_pack(q)
 
     def weight_int8(self) -> torch.Tensor:
         return w8a8_unpack(self.packed, self.out_features, self.in_features)
