@@ -109,6 +109,27 @@ inline Vec16 load16(const c10::BFloat16* p) {      // bf16 is the top half of a 
   return v;
 }
 
+#if defined(__AVX512F__)
+// 16 values as one AVX-512 register, read and written with explicit instructions where the compiler's
+// own vectorization of the scalar loops was poor (W8A8's row quantization and the tile products' stores:
+// bf16 unpacked 8 lanes at a time with mask shuffles).
+inline __m512 load_ps(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_ps(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store_ps(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_ps(c10::BFloat16* p, __m512 v) {      // round_to<c10::BFloat16>, 16 lanes at once
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#endif
+template <typename T>
+constexpr bool VECTOR_TYPE = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
 // The lane sums of eight vectors side by side, each by the same fixed tree (halves, quarters,
 // eighths, pairs): 7 vector adds instead of 120 scalar ones.
 inline Vec8 sum_lanes8(const Vec16 (&a)[8]) {
@@ -783,16 +804,20 @@ ProductOperands product_operands(const at::Tensor& x_in, int64_t k_dim, int64_t 
   return ops;
 }
 
-// The bf16 product on AMX's tile units (amx_bf16), where the CPU has them: W packed once at load
-// (tile_pack) into 1 KB blocks of 16 output columns x 32 inputs, each block the B operand of one
-// tdpbf16ps, the blocks of 16 columns one after another along K. A tile multiply sums 16 x 32
-// products per row where vdpbf16ps sums 32 (measured in-process on the model's five shapes, 2
-// threads: 0.5-0.7x the time of the vdpbf16ps product above at 1 row, 0.15-0.25x at 8, and near
-// torch's oneDNN at 512). It runs at every number of rows, so a row's sums never depend on the batch
-// (no switch to torch's product above some rows): row m of C is C[m] += A[m] . B, kb after kb, the
-// same instructions whatever rows share its tile. A weight takes this path only in its packed form,
-// so every call with one weight sums the same way. Built where the compiler targets such a CPU;
-// used where the kernel grants the process the tile state (arch_prctl, Linux 5.16+).
+// The products on AMX's tile units, where the CPU has them: bf16 (amx_bf16, tile_product) and int8
+// (amx_int8, w8a8_linear). W is packed once at load into 1 KB blocks of 16 output columns, each the B
+// operand of one tile multiply (16 rows of 64 bytes: 32 bf16 pairs or 64 int8 quads of a column),
+// the blocks of 16 columns one after another along K. A tile multiply sums 16 x 32 bf16 products per
+// row where vdpbf16ps sums 32 (measured in-process on the model's five shapes, 2 threads: 0.5-0.7x the
+// time of the vdpbf16ps product below at 1 row, 0.15-0.25x at 8, and near torch's oneDNN at 512). They
+// run at every number of rows, so a row's sums never depend on the batch (no switch to torch's product
+// above some rows): row m of C is C[m] += A[m] . B, kb after kb, the same instructions whatever rows
+// share its tile. A weight takes this path only in its packed form, so every call with one weight sums
+// the same way. Built where the compiler targets such a CPU; used where the kernel grants the process
+// the tile state (arch_prctl, Linux 5.16+).
+constexpr int64_t TILE_ROWS = 16, TILE_COLS = 16;   // rows of x a pass, output columns a block
+constexpr int64_t TILE_GROUP = 4;                    // C tiles a pass: 64 output columns against one A tile
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr bool HAS_TILE_PRODUCT = true;
 
@@ -802,30 +827,65 @@ struct TileConfig {              // LDTILECFG's 64-byte layout (palette 1)
   uint8_t rows[16] = {};
 };
 
-constexpr int64_t TILE_ROWS = 16, TILE_K = 32, TILE_COLS = 16, TILE_BLOCK = TILE_COLS * TILE_K;   // bf16s a B block
-constexpr int64_t TILE_GROUP = 4;                   // C tiles a pass: 64 output columns against one A tile
-
 bool tiles_granted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return granted;
 }
 
-// Tiles 0..NB-1: C (rows x 16 floats); 4: A (rows x 32 bf16 of x); 5, 6: B blocks, alternating.
-template <int NB>
-void tile_pass(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w, int64_t n_block, float* c) {
+// Tiles 0..3: C (m rows x 16 sums); 4: A (m rows x 64 bytes of x); 5, 6: B blocks, alternating.
+void tile_config(int64_t m) {
+  TileConfig config;
+  for (int t = 0; t <= 4; ++t) config.rows[t] = m, config.colsb[t] = 64;
+  for (int t = 5; t <= 6; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+void tile_release() { _tile_release(); }
+
+// The two tile multiplies: what a row of A holds (K inputs in 64 bytes) and what C sums in.
+struct Bf16Tiles {
+  using In = c10::BFloat16;
+  using Sum = float;
+  static constexpr int64_t K = 32;
+  static constexpr bool INT8 = false;
+};
+#if defined(__AMX_INT8__)
+constexpr bool HAS_INT8_TILES = true;
+struct Int8Tiles {
+  using In = int8_t;
+  using Sum = int32_t;
+  static constexpr int64_t K = 64;
+  static constexpr bool INT8 = true;
+};
+#else
+constexpr bool HAS_INT8_TILES = false;
+#endif
+
+// C tile c += A (tile 4) . B tile b, in the multiply of Tiles (the intrinsics take literal tile numbers).
+#define TILE_MULTIPLY(c, b)                                  \
+  do {                                                       \
+    if constexpr (Tiles::INT8) _tile_dpbssd(c, 4, b);        \
+    else _tile_dpbf16ps(c, 4, b);                            \
+  } while (0)
+
+// The sums of m rows of x (width x_width, m set by tile_config) against NB blocks of 16 columns from
+// block n_block: c [m][TILE_GROUP * 16].
+template <class Tiles, int NB>
+void tile_pass(const typename Tiles::In* x, int64_t x_width, const typename Tiles::In* w, int64_t n_block,
+               typename Tiles::Sum* c) {
   _tile_zero(0);
   if constexpr (NB > 1) _tile_zero(1);
   if constexpr (NB > 2) _tile_zero(2);
   if constexpr (NB > 3) _tile_zero(3);
-  const int64_t k_blocks = k_dim / TILE_K, column_stride = k_blocks * TILE_BLOCK;
+  constexpr int64_t block = TILE_COLS * Tiles::K;
+  const int64_t k_blocks = x_width / Tiles::K, column_stride = k_blocks * block;
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
-    _tile_loadd(4, x + kb * TILE_K, k_dim * 2);
-    const c10::BFloat16* b = w + n_block * column_stride + kb * TILE_BLOCK;
+    _tile_loadd(4, x + kb * Tiles::K, x_width * sizeof(typename Tiles::In));
+    const typename Tiles::In* b = w + n_block * column_stride + kb * block;
     _tile_loadd(5, b, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NB > 1) { _tile_loadd(6, b + column_stride, 64); _tile_dpbf16ps(1, 4, 6); }
-    if constexpr (NB > 2) { _tile_loadd(5, b + 2 * column_stride, 64); _tile_dpbf16ps(2, 4, 5); }
-    if constexpr (NB > 3) { _tile_loadd(6, b + 3 * column_stride, 64); _tile_dpbf16ps(3, 4, 6); }
+    TILE_MULTIPLY(0, 5);
+    if constexpr (NB > 1) { _tile_loadd(6, b + column_stride, 64); TILE_MULTIPLY(1, 6); }
+    if constexpr (NB > 2) { _tile_loadd(5, b + 2 * column_stride, 64); TILE_MULTIPLY(2, 5); }
+    if constexpr (NB > 3) { _tile_loadd(6, b + 3 * column_stride, 64); TILE_MULTIPLY(3, 6); }
   }
   constexpr int64_t ldc = TILE_GROUP * TILE_COLS * 4;
   _tile_stored(0, c, ldc);
@@ -833,56 +893,77 @@ void tile_pass(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w, in
   if constexpr (NB > 2) _tile_stored(2, c + 2 * TILE_COLS, ldc);
   if constexpr (NB > 3) _tile_stored(3, c + 3 * TILE_COLS, ldc);
 }
+#else
+constexpr bool HAS_TILE_PRODUCT = false, HAS_INT8_TILES = false;
+bool tiles_granted() { return false; }
+void tile_config(int64_t) {}
+void tile_release() {}
+#endif
+
+// f(std::integral_constant<int, nb>) for nb = 1..4: the passes' block counts as template arguments.
+template <typename F>
+void with_blocks(int64_t nb, const F& f) {
+  switch (nb) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
+}
+
+// The loop of a blocked product: rows in blocks of TILE_ROWS against groups of TILE_GROUP column
+// blocks, the groups split across the threads (a thread reads only its own columns of W).
+// pass(NB, m0, m, first, c) leaves in c [m][64] the sums of rows m0 .. m0 + m against blocks first ..
+// first + NB; store(m0, m, first, nb, c) writes them out. With tiles, each thread configures its own.
+template <typename Sum, typename Pass, typename Store>
+void blocked_product(int64_t rows, int64_t n_blocks, bool tiles, const Pass& pass, const Store& store) {
+  const int64_t groups = (n_blocks + TILE_GROUP - 1) / TILE_GROUP;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) Sum c[TILE_ROWS * TILE_GROUP * TILE_COLS];
+    for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
+      const int64_t m = std::min(TILE_ROWS, rows - m0);
+      if (tiles) tile_config(m);
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t first = g * TILE_GROUP, nb = std::min(TILE_GROUP, n_blocks - first);
+        with_blocks(nb, [&](auto blocks) { pass(blocks, m0, m, first, c); });
+        store(m0, m, first, nb, c);
+      }
+    }
+    if (tiles) tile_release();
+  });
+}
 
 at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  const int64_t n_blocks = packed.size(0), k_dim = packed.size(1) * TILE_K, n_dim = n_blocks * TILE_COLS;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const int64_t n_blocks = packed.size(0), k_dim = packed.size(1) * Bf16Tiles::K, n_dim = n_blocks * TILE_COLS;
   const auto ops = product_operands(x_in, k_dim, n_dim, bias);
   const int64_t rows = ops.x.size(0);
   const auto* xp = ops.x.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias ? ops.bias.data_ptr<c10::BFloat16>() : nullptr;
   auto* yp = ops.y.data_ptr<c10::BFloat16>();
-  const int64_t groups = (n_blocks + TILE_GROUP - 1) / TILE_GROUP;
-  if (rows == 0) return ops.y.view(ops.out_shape);
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[TILE_ROWS * TILE_GROUP * TILE_COLS];
-    for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
-      const int64_t m = std::min(TILE_ROWS, rows - m0);
-      TileConfig config;
-      for (int t = 0; t <= 4; ++t) config.rows[t] = m, config.colsb[t] = 64;
-      for (int t = 5; t <= 6; ++t) config.rows[t] = TILE_K / 2, config.colsb[t] = 64;
-      _tile_loadconfig(&config);
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t first = g * TILE_GROUP, nb = std::min(TILE_GROUP, n_blocks - first);
-        const c10::BFloat16* xm = xp + m0 * k_dim;
-        switch (nb) {
-          case 4: tile_pass<4>(xm, k_dim, wp, first, c); break;
-          case 3: tile_pass<3>(xm, k_dim, wp, first, c); break;
-          case 2: tile_pass<2>(xm, k_dim, wp, first, c); break;
-          default: tile_pass<1>(xm, k_dim, wp, first, c);
-        }
+  blocked_product<float>(
+      rows, n_blocks, true,
+      [&](auto blocks, int64_t m0, int64_t, int64_t first, float* c) {
+        tile_pass<Bf16Tiles, decltype(blocks)::value>(xp + m0 * k_dim, k_dim, wp, first, c);
+      },
+      [&](int64_t m0, int64_t m, int64_t first, int64_t nb, const float* c) {
         const int64_t n0 = first * TILE_COLS, width = nb * TILE_COLS;
         for (int64_t r = 0; r < m; ++r) {
           c10::BFloat16* out = yp + (m0 + r) * n_dim + n0;
           const float* sums = c + r * TILE_GROUP * TILE_COLS;
-          if (bp)
-            for (int64_t j = 0; j < width; ++j) out[j] = round_to<c10::BFloat16>(sums[j] + to_float(bp[n0 + j]));
-          else
-            for (int64_t j = 0; j < width; ++j) out[j] = round_to<c10::BFloat16>(sums[j]);
+          for (int64_t j = 0; j < width; j += 16) {      // width: whole blocks of 16
+            const __m512 v = _mm512_loadu_ps(sums + j);
+            store_ps(out + j, bp ? _mm512_add_ps(v, load_ps(bp + n0 + j)) : v);
+          }
         }
-      }
-    }
-    _tile_release();
-  });
+      });
   return ops.y.view(ops.out_shape);
-}
 #else
-constexpr bool HAS_TILE_PRODUCT = false;
-bool tiles_granted() { return false; }
-at::Tensor tile_product(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "tile_product: built without AMX");
-}
+  return x_in;
 #endif
+}
 
 // Whether tile_pack packs: AMX built here and granted to this process.
 bool tile_products_run() { return HAS_TILE_PRODUCT && tiles_granted(); }
@@ -919,52 +1000,45 @@ at::Tensor tile_unpack(const at::Tensor& packed) {
 // to even, as torch.round), the products sum in int32, exactly, and y = float(sum) * x_scale[row] *
 // w_scale[n] (+ bias). Exact sums make every way of running it (tiles, the plain loop, any batch) give
 // a row the same values: verify runs keep their decode steps' tokens with no care for the order of sums.
-constexpr int64_t W8_K = 64, W8_COLS = 16, W8_BLOCK = W8_COLS * W8_K;    // int8s of a B block
-constexpr int64_t W8_GROUP = 4, W8_ROWS = 16;                          // blocks of columns, rows of x a pass
+constexpr int64_t W8_K = 64, W8_BLOCK = TILE_COLS * W8_K;    // inputs a block, int8s of a B block
 
 bool is_w8a8_packed(const at::Tensor& w) {
   return w.dim() == 5 && w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 4 && w.scalar_type() == at::kChar;
 }
 
-// x [M, K] -> q [M, k_padded] int8 (zeros past K) and scale [M]: q = round(x / scale), scale = max |x| / 127.
-// Rounding is half to even (as torch.round): adding and taking away 1.5 * 2^23 (|x / s| <= 127: exact).
-constexpr float ROUND_HALF_EVEN = 12582912.f;
-
-inline int8_t quantize_one(float x, float s) {
-  const float v = std::min(127.f, std::max(-127.f, x / s));
-  return static_cast<int8_t>((v + ROUND_HALF_EVEN) - ROUND_HALF_EVEN);
-}
-
+// x [M, K] -> q [M, k_padded] int8 (zeros past K) and scale [M]: q = round(x * (127 / top)), scale =
+// top / 127, top = max |x| (at least 1e-12). A multiply by the reciprocal, not a division per value
+// (vdivps was most of a 16-row quantization), rounded by nearbyint (half to even, as torch.round; one
+// vector instruction).
 template <typename T>
 void quantize_row(const T* x, int64_t k_dim, int8_t* q, float* scale) {
   int64_t k = 0;
   float amax = 0.f;
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    Vec16 top = {};
-    for (; k + 16 <= k_dim; k += 16) {
-      const Vec16 v = load16(x + k);
-      const Vec16 a = v < 0 ? -v : v;
-      top = top < a ? a : top;
-    }
-    for (int i = 0; i < 16; ++i) amax = std::max(amax, top[i]);
+#if defined(__AVX512F__)
+  if constexpr (VECTOR_TYPE<T>) {
+    __m512 top = _mm512_setzero_ps();
+    for (; k + 16 <= k_dim; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load_ps(x + k)));
+    amax = _mm512_reduce_max_ps(top);
   }
+#endif
   for (; k < k_dim; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
-  const float s = std::max(amax, 1e-12f) / 127.f;
+  const float top = std::max(amax, 1e-12f), inv = 127.f / top;
   k = 0;
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    typedef int32_t I32x16 __attribute__((vector_size(64)));
-    typedef int8_t I8x16 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
+  if constexpr (VECTOR_TYPE<T>) {      // |x * inv| rounds to at most 127: the saturating narrowing clamps nothing
+    const __m512 by = _mm512_set1_ps(inv);
     for (; k + 16 <= k_dim; k += 16) {
-      Vec16 v = load16(x + k) / s;
-      v = v > 127.f ? 127.f : v;
-      v = v < -127.f ? -127.f : v;
-      const I8x16 r = __builtin_convertvector(__builtin_convertvector((v + ROUND_HALF_EVEN) - ROUND_HALF_EVEN,
-                                                                      I32x16), I8x16);
-      std::memcpy(q + k, &r, sizeof(r));
+      const __m512i r = _mm512_cvt_roundps_epi32(_mm512_mul_ps(load_ps(x + k), by),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(r));
     }
   }
-  for (; k < k_dim; ++k) q[k] = quantize_one(to_float(x[k]), s);
-  *scale = s;
+#endif
+  for (; k < k_dim; ++k) {
+    const float v = std::nearbyint(to_float(x[k]) * inv);
+    q[k] = static_cast<int8_t>(static_cast<int32_t>(std::min(127.f, std::max(-127.f, v))));
+  }
+  *scale = top / 127.f;
 }
 
 template <typename T>
@@ -978,12 +1052,13 @@ void quantize_rows(const T* x, int64_t rows, int64_t k_dim, int64_t k_padded, in
   });
 }
 
-// The int32 sums of rows [m0, m0 + m) against NB blocks of 16 columns from block n_block: c [m][64].
+// Without int8 tiles: the int32 sums of rows [0, m) of xq against NB blocks of 16 columns from block
+// n_block, c [m][64], one row at a time (the same exact sums).
 template <int NB>
 void w8_plain_pass(const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* w, int64_t n_block, int32_t* c) {
   const int64_t k_blocks = k_padded / W8_K, column_stride = k_blocks * W8_BLOCK;
   for (int64_t r = 0; r < m; ++r) {
-    int32_t acc[NB][W8_COLS] = {};
+    int32_t acc[NB][TILE_COLS] = {};
     const int8_t* xr = xq + r * k_padded;
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
       for (int nb = 0; nb < NB; ++nb) {
@@ -992,62 +1067,42 @@ void w8_plain_pass(const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* 
           for (int64_t e = 0; e < 4; ++e) {
             const int32_t xv = xr[kb * W8_K + 4 * p + e];
 _Pragma("omp simd")
-            for (int64_t j = 0; j < W8_COLS; ++j) acc[nb][j] += xv * b[(p * W8_COLS + j) * 4 + e];
+            for (int64_t j = 0; j < TILE_COLS; ++j) acc[nb][j] += xv * b[(p * TILE_COLS + j) * 4 + e];
           }
       }
     }
-    for (int nb = 0; nb < NB; ++nb) std::memcpy(c + r * W8_GROUP * W8_COLS + nb * W8_COLS, acc[nb], sizeof(acc[nb]));
+    for (int nb = 0; nb < NB; ++nb) std::memcpy(c + r * TILE_GROUP * TILE_COLS + nb * TILE_COLS, acc[nb], sizeof(acc[nb]));
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
-constexpr bool HAS_W8A8_TILES = true;
-
-// Tiles 0..NB-1: C (m x 16 int32); 4: A (m x 64 int8 of x); 5, 6: B blocks, alternating.
-template <int NB>
-void w8_tile_pass(const int8_t* xq, int64_t k_padded, const int8_t* w, int64_t n_block, int32_t* c) {
-  _tile_zero(0);
-  if constexpr (NB > 1) _tile_zero(1);
-  if constexpr (NB > 2) _tile_zero(2);
-  if constexpr (NB > 3) _tile_zero(3);
-  const int64_t k_blocks = k_padded / W8_K, column_stride = k_blocks * W8_BLOCK;
-  for (int64_t kb = 0; kb < k_blocks; ++kb) {
-    _tile_loadd(4, xq + kb * W8_K, k_padded);
-    const int8_t* b = w + n_block * column_stride + kb * W8_BLOCK;
-    _tile_loadd(5, b, 64);
-    _tile_dpbssd(0, 4, 5);
-    if constexpr (NB > 1) { _tile_loadd(6, b + column_stride, 64); _tile_dpbssd(1, 4, 6); }
-    if constexpr (NB > 2) { _tile_loadd(5, b + 2 * column_stride, 64); _tile_dpbssd(2, 4, 5); }
-    if constexpr (NB > 3) { _tile_loadd(6, b + 3 * column_stride, 64); _tile_dpbssd(3, 4, 6); }
-  }
-  constexpr int64_t ldc = W8_GROUP * W8_COLS * 4;
-  _tile_stored(0, c, ldc);
-  if constexpr (NB > 1) _tile_stored(1, c + W8_COLS, ldc);
-  if constexpr (NB > 2) _tile_stored(2, c + 2 * W8_COLS, ldc);
-  if constexpr (NB > 3) _tile_stored(3, c + 3 * W8_COLS, ldc);
-}
-
-void w8_tile_config(int64_t m) {
-  TileConfig config;
-  for (int t = 0; t <= 4; ++t) config.rows[t] = m, config.colsb[t] = 64;
-  for (int t = 5; t <= 6; ++t) config.rows[t] = W8_K / 4, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
-}
-#else
-constexpr bool HAS_W8A8_TILES = false;
-template <int NB>
-void w8_tile_pass(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*) {}
-void w8_tile_config(int64_t) {}
-#endif
-
+constexpr bool HAS_W8A8_TILES = HAS_TILE_PRODUCT && HAS_INT8_TILES;
 std::atomic<bool> w8a8_tiles_enabled{true};
 void set_w8a8_tiles(bool enabled) { w8a8_tiles_enabled = enabled; }      // off: the plain loop (tests, benchmarks)
 bool w8a8_tiles_run() { return HAS_W8A8_TILES && w8a8_tiles_enabled && tiles_granted(); }
 
-template <int NB>
-void w8_pass(bool tiles, const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* w, int64_t n_block, int32_t* c) {
-  if (tiles) w8_tile_pass<NB>(xq, k_padded, w, n_block, c);
-  else w8_plain_pass<NB>(xq, m, k_padded, w, n_block, c);
+// out[j] = float(sums[j]) * row_scale * w_scale[j] (+ bias[j]), rounded to T: the reference's operations
+// in its order, each rounded to float32, so the two agree bit for bit. The empty asm hands the product
+// on as an opaque register: without it the compiler fuses the multiply and the bias add into an FMA,
+// which skips a rounding (float32 rows with a bias were a unit in the last place off).
+template <typename T>
+void store_w8a8_row(T* out, const int32_t* sums, float row_scale, const float* w_scale, const T* bias, int64_t width) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (VECTOR_TYPE<T>) {
+    const __m512 by = _mm512_set1_ps(row_scale);
+    for (; j + 16 <= width; j += 16) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + j));
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(sum, by), _mm512_loadu_ps(w_scale + j));
+      asm("" : "+v"(v));
+      store_ps(out + j, bias ? _mm512_add_ps(v, load_ps(bias + j)) : v);
+    }
+  }
+#endif
+  for (; j < width; ++j) {
+    float v = static_cast<float>(sums[j]) * row_scale * w_scale[j];
+    asm("" : "+x"(v));
+    out[j] = round_to<T>(bias ? v + to_float(bias[j]) : v);
+  }
 }
 
 at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
@@ -1058,8 +1113,8 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int64_t n_dim = scale.numel();
   TORCH_CHECK(k_dim <= k_padded && k_dim > k_padded - W8_K, "w8a8_linear: input width ", k_dim,
               " does not fit the weight's ", k_padded, " (padded) inputs");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && n_dim <= n_blocks * W8_COLS &&
-              n_dim > (n_blocks - 1) * W8_COLS, "w8a8_linear: scale must be float32 [N] for the packed blocks");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && n_dim <= n_blocks * TILE_COLS &&
+              n_dim > (n_blocks - 1) * TILE_COLS, "w8a8_linear: scale must be float32 [N] for the packed blocks");
   TORCH_CHECK(!bias || (bias->scalar_type() == x_in.scalar_type() && bias->numel() == n_dim),
               "w8a8_linear: bias must be [N] of the input's dtype");
   const auto ops = product_operands(x_in, k_dim, n_dim, bias);
@@ -1068,7 +1123,6 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   auto xq = at::empty({rows, k_padded}, packed.options());
   auto xs = at::empty({rows}, scale.options());
   const bool tiles = w8a8_tiles_run();
-  const int64_t groups = (n_blocks + W8_GROUP - 1) / W8_GROUP;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ops.x.scalar_type(), "w8a8_linear", [&] {
     quantize_rows(ops.x.data_ptr<scalar_t>(), rows, k_dim, k_padded, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
     const int8_t* qp = xq.data_ptr<int8_t>();
@@ -1077,36 +1131,21 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
     const float* wsp = scale.data_ptr<float>();
     const scalar_t* bp = bias ? ops.bias.data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = ops.y.data_ptr<scalar_t>();
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      alignas(64) int32_t c[W8_ROWS * W8_GROUP * W8_COLS];
-      for (int64_t m0 = 0; m0 < rows; m0 += W8_ROWS) {
-        const int64_t m = std::min(W8_ROWS, rows - m0);
-        if (tiles) w8_tile_config(m);
-        const int8_t* xm = qp + m0 * k_padded;
-        for (int64_t g = begin; g < end; ++g) {
-          const int64_t first = g * W8_GROUP, nb = std::min(W8_GROUP, n_blocks - first);
-          switch (nb) {
-            case 4: w8_pass<4>(tiles, xm, m, k_padded, wp, first, c); break;
-            case 3: w8_pass<3>(tiles, xm, m, k_padded, wp, first, c); break;
-            case 2: w8_pass<2>(tiles, xm, m, k_padded, wp, first, c); break;
-            default: w8_pass<1>(tiles, xm, m, k_padded, wp, first, c);
-          }
-          const int64_t n0 = first * W8_COLS, width = std::min(nb * W8_COLS, n_dim - n0);
-          for (int64_t r = 0; r < m; ++r) {
-            scalar_t* out = yp + (m0 + r) * n_dim + n0;
-            const int32_t* sums = c + r * W8_GROUP * W8_COLS;
-            const float row_scale = xsp[m0 + r];
-            for (int64_t j = 0; j < width; ++j) {
-              const float v = static_cast<float>(sums[j]) * row_scale * wsp[n0 + j];
-              out[j] = round_to<scalar_t>(bp ? v + to_float(bp[n0 + j]) : v);
-            }
-          }
-        }
-      }
+    blocked_product<int32_t>(
+        rows, n_blocks, tiles,
+        [&](auto blocks, int64_t m0, int64_t m, int64_t first, int32_t* c) {
+          constexpr int NB = decltype(blocks)::value;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
-      if (tiles) _tile_release();
+          if (tiles) return tile_pass<Int8Tiles, NB>(qp + m0 * k_padded, k_padded, wp, first, c);
 #endif
-    });
+          w8_plain_pass<NB>(qp + m0 * k_padded, m, k_padded, wp, first, c);
+        },
+        [&](int64_t m0, int64_t m, int64_t first, int64_t nb, const int32_t* c) {
+          const int64_t n0 = first * TILE_COLS, width = std::min(nb * TILE_COLS, n_dim - n0);
+          for (int64_t r = 0; r < m; ++r)
+            store_w8a8_row(yp + (m0 + r) * n_dim + n0, c + r * TILE_GROUP * TILE_COLS, xsp[m0 + r], wsp + n0,
+                           bp ? bp + n0 : nullptr, width);
+        });
   });
   return ops.y.view(ops.out_shape);
 }

@@ -115,10 +115,13 @@ def w8a8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x [M, K] as int8 with its float32 scale: max |x| / 127, rounded half to even."""
+    """Each row of x [M, K] as int8 with its float32 scale: top / 127 for top = max |x|, the values
+    multiplied by 127 / top (the kernel's float32 quotient; torch's `127.0 / top` is 127 times the
+    reciprocal, a different float) and rounded half to even."""
     x = x.float()
-    scale = x.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
-    return torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    top = x.abs().amax(dim=-1).clamp(min=1e-12)
+    inv = torch.full_like(top, 127.0) / top
+    return torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int8), top / 127.0
 
 
 def w8a8_reference(x: torch.Tensor, q_weight: torch.Tensor, scale: torch.Tensor,
