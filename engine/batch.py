@@ -30,6 +30,7 @@ class SpecPlan:
     decode: bool = False        # a draft/verify step of decoding requests (else a prefill batch)
     chain: int = 0              # decode: draft tokens per request (k, or 0: a chain-0 step under load)
     draft_lag: list[int] = field(default_factory=list)    # decode: tokens each request's draft has not read
+    length_cap: list[int] = field(default_factory=list)   # decode: each request's length (prompt + outputs) at its end
     draft_next: list[int] = field(default_factory=list)   # prefill: the token after each chunk (-1: sampled)
     draft_skip: bool = False    # prefill: the draft model does not read these chunks (under load)
     no_decode: bool = False     # prefill: no request of it decodes here (each ends with its first token)
@@ -83,6 +84,11 @@ class StepOutput:
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     rounds: list[list[int]] | None = None     # speculative steps of a launch: each seq's run length a round
+
+    def rounds_of(self, i: int, launched: int) -> int:
+        """The steps that gave seq i output: its rounds of a multi-round speculative launch (fewer than
+        `launched` where the launch ended early), else the launch's steps."""
+        return len(self.rounds[i]) if self.rounds is not None else launched
 
     @classmethod
     def joined(cls, outputs: list["StepOutput"]) -> "StepOutput":

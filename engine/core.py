@@ -202,7 +202,8 @@ class EngineCore:
         self.last_awaited = flight
         if flight.void or flight.batch.idle:
             return []
-        self.scheduler.policy.observe_launch(flight.batch, flight.launched.finished - flight.launched.started)
+        self.scheduler.policy.observe_launch(flight.batch, flight.launched.finished - flight.launched.started,
+                                             len(result.rounds) if result.rounds is not None else flight.batch.steps)
         start = time.perf_counter()
         try:
             output = result.output()

@@ -152,7 +152,7 @@ class ModelRunner:
             return None
         return SpecInputs(decode=plan.decode, chain=plan.chain, draft_lag=long_tensor(plan.draft_lag),
                           draft_next=long_tensor(plan.draft_next), draft_skip=plan.draft_skip,
-                          no_decode=plan.no_decode)
+                          no_decode=plan.no_decode, length_cap=long_tensor(plan.length_cap) if plan.decode else None)
 
     def graph_shape(self, batch: ScheduledBatch | None) -> GraphShape | None:
         """The captured graph the batch's target forward could replay (None: it runs eagerly): a
@@ -268,9 +268,18 @@ class ModelRunner:
 
     def speculative_step(self, inp: StepInputs) -> StepResult:
         """One speculative step, or inp.steps of them back to back: each round drafts and verifies
-        from the lengths and bonus tokens the round before left on the device."""
+        from the lengths and bonus tokens the round before left on the device. Where the host reads
+        device tensors for free (the CPU), the rounds stop once every row's request has all its tokens
+        (worker.rows_ended): a round of ended rows emits nothing the host keeps (a launch planned while
+        the one before ran cannot know that its requests end there), and a run of 3.2 tokens a round
+        at concurrency 1 left a third of the rounds so."""
         if inp.steps > 1:
-            result = StepResult.of_rounds([self.worker.decode_step(inp.round(i)) for i in range(inp.steps)])
+            rounds = []
+            for i in range(inp.steps):
+                if rounds and self.worker.trims and self.worker.rows_ended(inp):
+                    break
+                rounds.append(self.worker.decode_step(inp.round(i)))
+            result = StepResult.of_rounds(rounds)
         else:
             result = self.worker.decode_step(inp)
         put = self.put

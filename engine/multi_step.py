@@ -79,12 +79,12 @@ class MultiStepDecoding(DecodePolicy):
         req.kv_len += steps - 1
         req.decode.extra_in_flight += steps - 1
 
-    def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int]) -> None:
+    def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int], rounds: int) -> None:
         seq.req.decode.extra_in_flight -= batch.steps - 1
 
     def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         seq.req.decode.extra_in_flight -= batch.steps - 1
 
-    def observe_launch(self, batch: ScheduledBatch, seconds: float) -> None:
+    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int) -> None:
         if batch.seqs and all(seq.decode for seq in batch.seqs):       # decodes alone: no prompt chunk in it
-            self.budget.observe(len(batch.seqs), 0, batch.steps, seconds)
+            self.budget.observe(len(batch.seqs), 0, rounds, seconds)

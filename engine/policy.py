@@ -55,14 +55,16 @@ class DecodePolicy:
     def end_prefill_plan(self, sched: "Scheduler", batch: ScheduledBatch) -> None:
         """The prefill batch is complete."""
 
-    def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int]) -> None:
-        """A processed sampling sequence emitted `run` (before its tokens are appended)."""
+    def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int], rounds: int) -> None:
+        """A processed sampling sequence emitted `run` (before its tokens are appended) over `rounds` steps
+        (batch.steps, or fewer where a multi-round launch ended early)."""
 
     def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         """A sampling sequence of a voided batch: its output will never be processed."""
 
-    def observe_launch(self, batch: ScheduledBatch, seconds: float) -> None:
-        """A launched batch ran for `seconds` of device time (engine/launch_budget.py learns from it)."""
+    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int) -> None:
+        """A launched batch ran `rounds` steps in `seconds` of device time (engine/launch_budget.py learns
+        from it)."""
 
     def on_retract(self, req: Request) -> None:
         """The request lost its KV and will recompute from its prompt and outputs."""

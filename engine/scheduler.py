@@ -289,7 +289,7 @@ class Scheduler:
             if seq.req.finished:
                 continue                      # finished (or aborted) after this batch was scheduled
             seq.req.pending -= 1
-            self.policy.on_output(self, batch, seq, out.tokens[i])
+            self.policy.on_output(self, batch, seq, out.tokens[i], out.rounds_of(i, batch.steps))
             self.append_run(seq.req, out, i)
             touched.append(seq.req)
         return touched

@@ -32,6 +32,7 @@ class SpecInputs:
     draft_skip: bool = False      # prefill: the draft model does not read this batch
     no_decode: bool = False       # prefill: no request of it decodes here; the draft need not read it
     trim: bool = True             # decode: rows may verify fewer drafts where the device reads for free
+    length_cap: torch.Tensor | None = None    # decode: each row's length at its request's end (max tokens, context)
 
 
 @dataclass

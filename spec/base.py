@@ -136,6 +136,13 @@ class SpecWorker(ABC):
         width = padded_width(inp.max_kv, self.target.page_size)
         return self.target.req_to_slot[:, :width].index_select(0, rows)
 
+    def rows_ended(self, inp: StepInputs) -> bool:
+        """Has every row of the step emitted all its request may (its length cap, a host read)? The
+        bonus token, at position kv_len, is the last emitted: the length so far is kv_len + 1."""
+        cap = inp.spec.length_cap
+        return cap is not None and bool((self.kv_len[inp.rows.to(self.kv_len.device)] + 1 >= cap.to(
+            self.kv_len.device)).all())
+
     def advance(self, rows: torch.Tensor, L: torch.Tensor, v: Verified) -> None:
         """After acceptance: each row's cache holds n+1 more tokens and its bonus is the last emitted."""
         self.kv_len[rows] = L + v.n + 1

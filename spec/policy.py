@@ -167,6 +167,7 @@ class SpeculativeDecoding(DecodePolicy):
         seq.future_id = req.future_id = sched.take_future()      # its last emitted token: a plain decode's input
         batch.seqs.append(seq)
         batch.spec.draft_lag.append(record.draft_lag)
+        batch.spec.length_cap.append(min(len(req.input_ids) + req.params.max_new_tokens, sched.config.context_length))
         record.draft_lag = record.draft_lag + 1 if chain == 0 else 0
         record.drafting += chain > 0
         record.plain = False
@@ -209,10 +210,10 @@ class SpeculativeDecoding(DecodePolicy):
 
     # ---- results -----------------------------------------------------------------------
 
-    def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int]) -> None:
+    def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int], rounds: int) -> None:
         req = seq.req
         if seq.decode:                       # a plain decode under load counts as a one-token verify
-            req.decode.verify_steps += batch.steps
+            req.decode.verify_steps += rounds
         if batch.is_spec_decode:
             req.decode.drafting -= batch.chain > 0
             req.decode.extra_rounds -= batch.steps - 1
@@ -224,9 +225,9 @@ class SpeculativeDecoding(DecodePolicy):
             seq.req.decode.drafting -= batch.chain > 0
             seq.req.decode.extra_rounds -= batch.steps - 1
 
-    def observe_launch(self, batch: ScheduledBatch, seconds: float) -> None:
+    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int) -> None:
         if batch.is_spec_decode:
-            self.budget.observe(len(batch.seqs), batch.chain, batch.steps, seconds)
+            self.budget.observe(len(batch.seqs), batch.chain, rounds, seconds)
 
     def on_retract(self, req: Request) -> None:
         req.decode.draft_lag = req.decode.draft_end = 0

@@ -318,7 +318,7 @@ def test_launches_run_the_steps_that_fit_the_budget():
         batch = sched.schedule()
         seen.append(batch.steps)
         sched.process(batch, device.run(batch))
-        sched.policy.observe_launch(batch, 2.5e-3 * batch.steps)
+        sched.policy.observe_launch(batch, 2.5e-3 * batch.steps, batch.steps)
     assert seen == [1, 1] + [4] * 9 + [2]       # the prefill's token, one step measured, 38 more
     assert req.output_ids == expected([1, 2, 3], 40)
 
@@ -336,7 +336,7 @@ def test_speculative_rounds_fit_the_budget():
         if batch.is_spec_decode:
             rounds.append(batch.steps)
         sched.process(batch, device.run(batch))
-        sched.policy.observe_launch(batch, 4e-3 * batch.steps)
+        sched.policy.observe_launch(batch, 4e-3 * batch.steps, batch.steps)
     assert rounds[0] == 1 and max(rounds) == 2 and rounds.count(2) >= len(rounds) - 3
     assert req.output_ids == expected([1, 2, 3], 60)
 
@@ -414,3 +414,31 @@ async def test_speculative_rounds_decode_as_one_step_launches(algorithm, flags, 
     plain = await outputs(ONE_STEP, prompts, greedy)
     assert [o[0] for o in await outputs(flags + FOUR_STEPS, prompts, greedy, algorithm)] == \
         [o[0] for o in plain]
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+async def test_a_launch_stops_its_rounds_once_its_requests_have_every_token(algorithm, prompts):
+    """Eight rounds a launch, one greedy request at a time (no overlap: each launch is planned on
+    the one before it, processed): on the CPU the device ends a launch's rounds once the request has
+    all its tokens, so every round that runs emits tokens it keeps, and its verify steps (the accept
+    length's divisor, and what rounds_likely plans from) count only those rounds."""
+    from tests.server_harness import DENSE
+    from tests.test_engine_core import Engine
+    engine = Engine(["--model-path", str(DENSE), "--speculative-algorithm", algorithm, "--max-total-tokens", "4096",
+                     "--num-scheduler-steps", "8", "--max-launch-ms", "0", "--disable-overlap-schedule"])
+    try:
+        launched, ran, kept, early = [], [], [], 0
+        engine.core.observers.append(lambda done: done.batch.is_spec_decode and (
+            launched.append(done.batch.steps), ran.append(len(done.result.rounds or [None])),
+            kept.extend(done.output.rounds[0] if done.output.rounds else [len(done.output.tokens[0])])))
+        for i, limit in enumerate((12, 30)):
+            req = engine.add(f"r{i}", prompts[i], SamplingParams(max_new_tokens=limit, temperature=0, ignore_eos=True))
+            await engine.finish()
+            assert len(req.output_ids) == limit
+            assert req.decode.verify_steps == len(kept) and sum(kept) >= limit - 1
+            assert sum(kept[:-1]) < limit - 1                 # every round began with tokens still to emit
+            early += sum(r < n for r, n in zip(ran, launched))
+            launched.clear(), ran.clear(), kept.clear()
+        assert early                                          # a launch ended before its last round
+    finally:
+        engine.close()

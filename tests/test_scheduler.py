@@ -68,7 +68,7 @@ class FakeRunner:
     def launch(self, batch, graph=None):
         future = asyncio.get_running_loop().create_future()
         out = self.device.run(batch)
-        future.set_result(SimpleNamespace(output=lambda: out))
+        future.set_result(SimpleNamespace(output=lambda: out, rounds=None))
         return Launched(future)
 
 
