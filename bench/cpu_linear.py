@@ -1,7 +1,8 @@
 """One linear layer's product on the CPU, through each path PyTorch offers and Tandem's native kernels,
 at the shapes of a model's layers: plain F.linear (f32), oneDNN with a prepacked weight (f32 and bf16),
 MKL's packed f32; the native products in f32, bf16 (vectors; AMX tiles on a packed weight where the
-CPU has them), int8 weight-only and w8a8_int8 (int8 activations; AMX int8 tiles where they run)
+CPU has them), int8 weight-only and w8a8_int8 (int8 activations; AMX int8 tiles or AVX512-VNNI
+where they run, else the plain loop, which is measured beside them)
 (devices/cpu_kernels.cpp).
 
     python bench/cpu_linear.py                           # tandem-dense's shapes, M = 1 and 16
@@ -93,7 +94,18 @@ def native_paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     w8a8 = [(w8a8_pack(q), scale) for q, scale in map(quantize_weight, weights)]
     found["native w8a8"] = [lambda p=p, s=s: kernels.w8a8_linear(x, p, s, None) for p, s in w8a8]
     found["native w8a8 bf16"] = [lambda p=p, s=s: kernels.w8a8_linear(xb, p, s, None) for p, s in w8a8]
+    if kernels.w8a8_products() != "a plain loop":
+        found["native w8a8 plain loop"] = [lambda p=p, s=s: w8a8_plain_loop(kernels, x, p, s) for p, s in w8a8]
     return found
+
+
+def w8a8_plain_loop(kernels, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w8a8_linear with its AMX or VNNI sums turned off: the plain loop, the same sums."""
+    kernels.set_w8a8_fast(False)
+    try:
+        return kernels.w8a8_linear(x, packed, scale, None)
+    finally:
+        kernels.set_w8a8_fast(True)
 
 
 def main(argv: list[str] | None = None) -> int:

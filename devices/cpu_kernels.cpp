@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -900,10 +901,10 @@ void tile_config(int64_t) {}
 void tile_release() {}
 #endif
 
-// f(std::integral_constant<int, nb>) for nb = 1..4: the passes' block counts as template arguments.
+// f(std::integral_constant<int, n>) for n = 1..4: the passes' block and row counts as template arguments.
 template <typename F>
-void with_blocks(int64_t nb, const F& f) {
-  switch (nb) {
+void with_count(int64_t n, const F& f) {
+  switch (n) {
     case 4: f(std::integral_constant<int, 4>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
@@ -925,7 +926,7 @@ void blocked_product(int64_t rows, int64_t n_blocks, bool tiles, const Pass& pas
       if (tiles) tile_config(m);
       for (int64_t g = begin; g < end; ++g) {
         const int64_t first = g * TILE_GROUP, nb = std::min(TILE_GROUP, n_blocks - first);
-        with_blocks(nb, [&](auto blocks) { pass(blocks, m0, m, first, c); });
+        with_count(nb, [&](auto blocks) { pass(blocks, m0, m, first, c); });
         store(m0, m, first, nb, c);
       }
     }
@@ -1075,10 +1076,76 @@ _Pragma("omp simd")
   }
 }
 
+// With AVX512-VNNI (no int8 tiles): vpdpbusd sums four products of unsigned by signed bytes into each
+// int32 lane, and a packed block's 64 bytes [p][c][e] are the four inputs 4p .. 4p + 3 of its 16
+// columns, the lanes' order. x is signed, so it enters as x + 128 (x ^ 0x80) and the pass takes 128 x
+// each column's sum of W off again, which the first rows' pass adds up with the same instruction on a
+// vector of ones: the same exact sums as the tiles and the plain loop (at most 255 x 128 x K in a
+// lane). R rows of x against NB blocks: each 64-byte vector of W is loaded once for R rows.
+#if defined(__AVX512VNNI__)
+constexpr bool HAS_W8A8_VNNI = true;
+
+template <int NB, int R, bool SUM_COLUMNS>
+void w8_vnni_rows(const int8_t* xq, int64_t k_padded, const int8_t* w, int64_t column_stride, __m512i (&offset)[NB],
+                  int32_t* c) {
+  __m512i acc[R][NB], column_sum[NB];
+  for (int nb = 0; nb < NB; ++nb) {
+    column_sum[nb] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) acc[r][nb] = _mm512_setzero_si512();
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t kb = 0; kb < k_padded / W8_K; ++kb)
+    for (int p = 0; p < W8_K / 4; ++p) {      // inputs 64 kb + 4 p .. + 3: 64 bytes [c][e] of each block
+      const int8_t* wk = w + kb * W8_BLOCK + p * 4 * TILE_COLS;
+      __m512i b[NB];
+      for (int nb = 0; nb < NB; ++nb) b[nb] = _mm512_loadu_si512(wk + nb * column_stride);
+      if constexpr (SUM_COLUMNS)
+        for (int nb = 0; nb < NB; ++nb) column_sum[nb] = _mm512_dpbusd_epi32(column_sum[nb], ones, b[nb]);
+      for (int r = 0; r < R; ++r) {
+        uint32_t four;
+        std::memcpy(&four, xq + r * k_padded + kb * W8_K + 4 * p, 4);
+        const __m512i a = _mm512_set1_epi32(static_cast<int>(four ^ 0x80808080u));
+        for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_dpbusd_epi32(acc[r][nb], a, b[nb]);
+      }
+    }
+  if constexpr (SUM_COLUMNS)
+    for (int nb = 0; nb < NB; ++nb) offset[nb] = _mm512_slli_epi32(column_sum[nb], 7);
+  for (int r = 0; r < R; ++r)
+    for (int nb = 0; nb < NB; ++nb)
+      _mm512_storeu_si512(c + r * TILE_GROUP * TILE_COLS + nb * TILE_COLS, _mm512_sub_epi32(acc[r][nb], offset[nb]));
+}
+
+// The int32 sums of rows [0, m) of xq against NB blocks from block n_block, c [m][64], four rows a time.
+template <int NB>
+void w8_vnni_pass(const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* w, int64_t n_block, int32_t* c) {
+  const int64_t column_stride = k_padded / W8_K * W8_BLOCK;
+  const int8_t* wb = w + n_block * column_stride;
+  __m512i offset[NB];
+  for (int64_t r = 0; r < m; r += 4) {
+    const auto rows_pass = [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (r == 0) w8_vnni_rows<NB, R, true>(xq, k_padded, wb, column_stride, offset, c);
+      else w8_vnni_rows<NB, R, false>(xq + r * k_padded, k_padded, wb, column_stride, offset, c + r * TILE_GROUP * TILE_COLS);
+    };
+    with_count(std::min<int64_t>(4, m - r), rows_pass);
+  }
+}
+#else
+constexpr bool HAS_W8A8_VNNI = false;
+#endif
+
 constexpr bool HAS_W8A8_TILES = HAS_TILE_PRODUCT && HAS_INT8_TILES;
-std::atomic<bool> w8a8_tiles_enabled{true};
-void set_w8a8_tiles(bool enabled) { w8a8_tiles_enabled = enabled; }      // off: the plain loop (tests, benchmarks)
-bool w8a8_tiles_run() { return HAS_W8A8_TILES && w8a8_tiles_enabled && tiles_granted(); }
+std::atomic<bool> w8a8_fast_enabled{true};
+void set_w8a8_fast(bool enabled) { w8a8_fast_enabled = enabled; }      // off: the plain loop (tests, benchmarks)
+bool w8a8_tiles_run() { return HAS_W8A8_TILES && w8a8_fast_enabled && tiles_granted(); }
+bool w8a8_vnni_run() { return HAS_W8A8_VNNI && w8a8_fast_enabled && !w8a8_tiles_run(); }
+
+// Where w8a8_linear's int32 sums are taken here, in the start-up log's words.
+std::string w8a8_products() {
+  if (w8a8_tiles_run()) return "AMX int8 tiles";
+  if (w8a8_vnni_run()) return "AVX512-VNNI";
+  return "a plain loop";
+}
 
 // out[j] = float(sums[j]) * row_scale * w_scale[j] (+ bias[j]), rounded to T: the reference's operations
 // in its order, each rounded to float32, so the two agree bit for bit. The empty asm hands the product
@@ -1122,7 +1189,7 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   if (rows == 0) return ops.y.view(ops.out_shape);
   auto xq = at::empty({rows, k_padded}, packed.options());
   auto xs = at::empty({rows}, scale.options());
-  const bool tiles = w8a8_tiles_run();
+  const bool tiles = w8a8_tiles_run(), vnni = w8a8_vnni_run();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ops.x.scalar_type(), "w8a8_linear", [&] {
     quantize_rows(ops.x.data_ptr<scalar_t>(), rows, k_dim, k_padded, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
     const int8_t* qp = xq.data_ptr<int8_t>();
@@ -1137,6 +1204,9 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
           constexpr int NB = decltype(blocks)::value;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
           if (tiles) return tile_pass<Int8Tiles, NB>(qp + m0 * k_padded, k_padded, wp, first, c);
+#endif
+#if defined(__AVX512VNNI__)
+          if (vnni) return w8_vnni_pass<NB>(qp + m0 * k_padded, m, k_padded, wp, first, c);
 #endif
           w8_plain_pass<NB>(qp + m0 * k_padded, m, k_padded, wp, first, c);
         },
@@ -1415,8 +1485,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights against each row of x quantized to int8, int32 sums", release);
   m.def("w8a8_tiles_run", &w8a8_tiles_run, "whether w8a8_linear runs on AMX tiles here");
-  m.def("set_w8a8_tiles", &set_w8a8_tiles, "off: w8a8_linear's plain loop, the same sums (tests, benchmarks)");
+  m.def("w8a8_products", &w8a8_products, "where w8a8_linear's sums are taken: AMX int8 tiles, AVX512-VNNI or a plain loop");
+  m.def("set_w8a8_fast", &set_w8a8_fast, "off: w8a8_linear's plain loop, the same sums (tests, benchmarks)");
   m.attr("HAS_W8A8_TILES") = HAS_W8A8_TILES;
+  m.attr("HAS_W8A8_VNNI") = HAS_W8A8_VNNI;
   m.def("int8_dequantize", &int8_dequantize, "a packed int8 weight as a [N, K] matrix", release);
   m.def("dense_layer", &dense_layer, "a dense decoder layer: norms, products, attention, SwiGLU", release);
   m.def("rope_table", &rope_table, "cos | sin of each token's position, for attention", release);

@@ -114,7 +114,7 @@ def describe_w8a8(model, kernels) -> str:
 
     if not any(isinstance(m, W8A8Linear) for m in model.modules()):
         return ""
-    where = "AMX int8 tiles" if kernels.w8a8_tiles_run() else "a plain loop (no AMX int8 tiles here)"
+    where = kernels.w8a8_products()
     return f"; w8a8_int8 products (int8 activations, int32 sums) native at every row count, on {where}"
 
 

@@ -80,7 +80,7 @@ def test_the_w8a8_reference_sums_exactly_past_what_one_float32_sum_holds():
 @pytest.mark.parametrize("out_features, in_features, bias", [(512, 256, False), (200, 96, True)])
 def test_the_w8a8_product_is_torch_s_and_no_row_depends_on_the_batch(dtype, rows, out_features, in_features, bias):
     """w8a8_linear against w8a8_reference bit for bit (exact int sums, then the same float32 operations
-    and rounding); the tiles (where they run) and the plain loop give the same bits, and so does each
+    and rounding); the tiles or AVX512-VNNI (where they run) and the plain loop give the same bits, and so does each
     row alone."""
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=gen)
@@ -91,11 +91,11 @@ def test_the_w8a8_product_is_torch_s_and_no_row_depends_on_the_batch(dtype, rows
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     assert torch.equal(got, want)        # exact sums, then the reference's float32 operations and rounding
-    kernels.set_w8a8_tiles(False)
+    kernels.set_w8a8_fast(False)
     try:
         assert torch.equal(layer(x), got)
     finally:
-        kernels.set_w8a8_tiles(True)
+        kernels.set_w8a8_fast(True)
     assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(rows)]), got)
     exact = F.linear(x.float(), weight, layer.bias.float() if bias else None)       # int8 error only
     assert (got.float() - exact).abs().max() < 0.05 * exact.abs().max()
@@ -150,7 +150,7 @@ def test_a_w8a8_model_gives_the_same_logits_on_both_paths(dtype):
         assert (model.native_stack is not None) == (choice == "native")
         described = describe_cpu_path(model)
         assert ("w8a8_int8 products" in described) == (choice == "native")
-        assert choice == "torch" or ("on AMX int8 tiles" in described) == kernels.w8a8_tiles_run()
+        assert choice == "torch" or f"every row count, on {kernels.w8a8_products()};" in described
         runner = PagedRunner(model.kv_layout(), dtype, max_context=96)
         steps = [[(0, list(range(3, 40))), (1, [7, 8, 9])]] + [[(0, [i + 3]), (1, [i + 5, i + 6])] for i in range(4)]
         logits.append(step_logits(model, runner, steps))

@@ -81,9 +81,9 @@ class W8A8Linear(Int8Linear):
     """int8 weights against int8 activations: y = (q_x @ q_w^T) * scale_x[row] * scale_w (+ bias), the
     sums exact in int32. Each row is quantized alone (quantize_rows), so a row's output does not
     depend on its batch. The weight is packed for AMX's int8 tile product (w8a8_pack); the native
-    kernels run it at every row count, on tiles where the CPU grants them, else a plain loop with the
-    same sums (devices/cpu_kernels.cpp: w8a8_linear). Without them (pure torch, CUDA, NPU) torch
-    computes the same function (w8a8_reference)."""
+    kernels run it at every row count, on tiles where the CPU grants them, else with AVX512-VNNI's
+    vpdpbusd where the CPU has it, else a plain loop, all with the same sums (devices/cpu_kernels.cpp:
+    w8a8_linear). Without them (pure torch, CUDA, NPU) torch computes the same function (w8a8_reference)."""
 
     @staticmethod
     def pack(q: torch.Tensor) -> torch.Tensor:
