@@ -1,11 +1,12 @@
 """One model forward on the CPU, in-process, on each path: pure torch, the native kernels, the
 native kernels with int8 weights (weight-only, and w8a8_int8), and the native kernels with one part
 undone for a side-by-side measure of it (float products through torch instead of the native
-few-row product; the native float products fetching no weight block ahead; a dense model: its
+few-row product; the native float products fetching no weight block ahead; attention fetching no
+key or value row ahead; a dense model: its
 layers called one by one instead of in one call; an MoE model: its experts through the grouped
 Python loop instead of one call); for decodes, verify-like runs and prompts.
 
-    python bench/cpu_kernels.py --threads 2 [--model models/tandem-dense] [--rounds 2]
+    python bench/cpu_kernels.py --threads 2 [--model models/tandem-dense] [--rounds 2] [--paths native,...]
 
 Each case: `rows` sequences, each adding `q` tokens to a context of --context tokens (the context
 grows by q a step, --steps steps; medians of the steps after the first five), or one prompt of
@@ -34,6 +35,7 @@ EXPERT_LOOP = "native-expert-loop"          # MoE models
 PER_LAYER = "native-per-layer"              # dense models
 TORCH_PRODUCTS = "native-torch-products"    # float products through torch (kernels.set_native_float_products)
 NO_PREFETCH = "native-no-prefetch"          # float products fetching no block ahead (kernels.set_float_prefetch)
+NO_KV_PREFETCH = "native-no-kv-prefetch"    # attention fetching no key or value row ahead (kernels.set_kv_prefetch)
 DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q)
 PROMPTS = [64, 512]
 
@@ -59,10 +61,11 @@ def load(path: str, dtype: str, name: str):
 
 
 def measure(run, model, name: str) -> float:
-    """run(model), with the native float products off for TORCH_PRODUCTS and their fetching ahead
-    off for NO_PREFETCH (process-wide switches)."""
+    """run(model), with the native float products off for TORCH_PRODUCTS, their fetching ahead off
+    for NO_PREFETCH and attention's off for NO_KV_PREFETCH (process-wide switches)."""
     kernels = getattr(model, "kernels", None)
-    switch = {TORCH_PRODUCTS: "set_native_float_products", NO_PREFETCH: "set_float_prefetch"}.get(name)
+    switch = {TORCH_PRODUCTS: "set_native_float_products", NO_PREFETCH: "set_float_prefetch",
+              NO_KV_PREFETCH: "set_kv_prefetch"}.get(name)
     if kernels is None or switch is None:
         return run(model)
     getattr(kernels, switch)(False)
@@ -116,10 +119,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--paths", default=None, help="comma-separated: only these paths (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
+    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, NO_KV_PREFETCH,
+                           EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
+    if args.paths:
+        unknown = set(args.paths.split(",")) - set(paths)
+        if unknown:
+            parser.error(f"unknown paths {sorted(unknown)}; choose from {paths}")
+        paths = args.paths.split(",")
     models = {(f"{name} {dtype}" if len(dtypes) > 1 else name): load(args.model, dtype, name)
               for dtype in dtypes for name in paths}
     columns = list(models)

@@ -74,7 +74,8 @@ def paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
 
 def native_paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     """The native kernels' products as the model calls them (NativeLinear, Int8Linear), where they
-    build and take these rows; bf16 on vectors from the weight as loaded, on tiles from tile_pack's."""
+    build and take these rows; bf16 from the weight as loaded (few_row_product's vectors), and packed by
+    tile_pack where it packs (AMX tiles, or AVX512-BF16 vectors over the same blocks)."""
     kernels = cpu_native.cpu_kernels("auto")
     if kernels is None:
         return {}
@@ -87,7 +88,7 @@ def native_paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
             found["native bf16 vectors"] = [lambda w=w: kernels.linear(xb, w, None) for w in bf16]
     tiles = [kernels.tile_pack(w.to(torch.bfloat16)) for w in weights]
     if tiles[0].dim() == 5:
-        found["native bf16 tiles"] = [lambda t=t: kernels.linear(xb, t, None) for t in tiles]
+        found["native bf16 packed"] = [lambda t=t: kernels.linear(xb, t, None) for t in tiles]
     if rows <= INT8_MAX_ROWS:
         int8 = [(int8_pack(q), scale) for q, scale in map(quantize_weight, weights)]
         found["native int8"] = [lambda p=p, s=s: kernels.int8_linear(x, p, s, None) for p, s in int8]

@@ -6,8 +6,8 @@
 // Each is one call from Python where the pure-torch path (engine/models/layers.py) runs 5-20
 // small operators. The matrix products of a few rows (decode, verify, draft steps) run here too,
 // float32 and bf16 (float_linear) and weight-only int8 (int8_linear), where reading the weights is
-// the cost; larger ones stay with torch (oneDNN/MKL), except bf16 weights packed for AMX tiles
-// (tile_product), which run here at every row count. Loaded by
+// the cost; larger ones stay with torch (oneDNN/MKL), except bf16 weights packed for AMX tiles or
+// AVX512-BF16 vectors (tile_product) and W8A8's (w8a8_linear), which run here at every row count. Loaded by
 // devices/cpu_native.py, which falls back to the pure-torch path when this does not build.
 //
 // Layout (engine/models/attention.py: SeqLayout): sequence b owns tokens q_start[b] ..
@@ -338,6 +338,25 @@ void attend_by_products(const float* const* query, int64_t n_rows, int64_t group
     for (int64_t d = 0; d < dim; ++d) out_rows[r][d] = round_to<T>(op[r * dim + d]);
 }
 
+// Keys and values a sequence holds sit wherever its slots are: a decode step allocates one slot a
+// sequence, so the slots of requests decoding side by side interleave (and free slots are reused in
+// any order), each key another cache row, too far from the last for the hardware prefetcher. Each
+// row was a miss waiting on memory: the first loads of a key and of a value took 65% of a 16-row bf16
+// decode step's samples (perf) at 700 keys of context. attend_rows asks for the rows FETCH_AHEAD
+// keys ahead of the ones it reads (8 ahead gained about half of what 32 did; bench/cpu_kernels.py
+// --context 1000, column native-no-kv-prefetch).
+constexpr int64_t FETCH_AHEAD = 32;
+
+// Off: attention fetches no key or value row ahead (benchmarks measure both).
+std::atomic<bool> kv_prefetch_enabled{true};
+
+void set_kv_prefetch(bool enabled) { kv_prefetch_enabled = enabled; }
+
+template <typename T, int64_t DIM>
+inline void fetch_row(const T* row) {
+  for (int64_t b = 0; b < DIM * int64_t(sizeof(T)); b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
+}
+
 // Query rows of a (sequence, kv head) read in registers (decode steps, verify runs, draft steps), for
 // head dims of NV * 16: R rows at a time (two for head dim 64, where their queries and dot sums fit
 // the registers; one for 128) read each key and value from the cache once; each row's query and
@@ -357,8 +376,11 @@ void attend_rows(const float* const* query, int64_t r0, int64_t group, int64_t f
     for (int v = 0; v < NV; ++v) q[r][v] = load16(query[r0 + r] + 16 * v);
   }
   const int64_t last = visible[R - 1];
+  const int64_t ahead = kv_prefetch_enabled ? FETCH_AHEAD : last;      // `last`: nothing fetched ahead
   for (int64_t j = 0; j < last; j += 8) {
     const int64_t block = std::min<int64_t>(8, last - j);
+    for (int64_t i = j + ahead; i < std::min(j + ahead + 8, last); ++i)
+      fetch_row<T, dim>(keys + slots[i] * stride);
     Vec16 part[R][8];
     for (int i = 0; i < 8; ++i) {
       for (int r = 0; r < R; ++r) part[r][i] = Vec16{};
@@ -380,6 +402,7 @@ void attend_rows(const float* const* query, int64_t r0, int64_t group, int64_t f
   for (int r = 0; r < R; ++r) total[r] = exp_shifted(scores + r * keys_n, visible[r], 1.f);   // scaled already
   Vec16 acc[R][NV] = {};
   for (int64_t j = 0; j < last; ++j) {
+    if (j + ahead < last) fetch_row<T, dim>(values + slots[j + ahead] * stride);
     const T* v_row = values + slots[j] * stride;
     for (int v = 0; v < NV; ++v) {
       const Vec16 value = load16(v_row + 16 * v);
@@ -815,7 +838,8 @@ ProductOperands product_operands(const at::Tensor& x_in, int64_t k_dim, int64_t 
 // above some rows): row m of C is C[m] += A[m] . B, kb after kb, the same instructions whatever rows
 // share its tile. A weight takes this path only in its packed form, so every call with one weight sums
 // the same way. Built where the compiler targets such a CPU; used where the kernel grants the process
-// the tile state (arch_prctl, Linux 5.16+).
+// the tile state (arch_prctl, Linux 5.16+). Without tiles, the same packed blocks are read by vectors
+// (AVX512-VNNI for int8: w8_vnni_pass; AVX512-BF16 for bf16: bf16_vector_pass), at every row count too.
 constexpr int64_t TILE_ROWS = 16, TILE_COLS = 16;   // rows of x a pass, output columns a block
 constexpr int64_t TILE_GROUP = 4;                    // C tiles a pass: 64 output columns against one A tile
 
@@ -934,19 +958,76 @@ void blocked_product(int64_t rows, int64_t n_blocks, bool tiles, const Pass& pas
   });
 }
 
+// Where the CPU multiplies bf16 pairs (AVX512-BF16) but grants no AMX tiles, the packed blocks are
+// read by vectors as they are: a block's row p (64 bytes) is the input pair 2p, 2p + 1 of its 16
+// columns, one vdpbf16ps against that pair of x broadcast, 16 output sums side by side (no horizontal
+// sums, which took a third of few_row_product's instructions at K = 256). R rows of x against NB
+// blocks: each vector of W is loaded once for R rows. A column's sum is its pairs in order, whatever
+// rows are read with it. On an AMD EPYC (bench/cpu_linear.py, the model's five shapes, 2 threads):
+// 0.71-0.98x few_row_product's time at 1 row, 0.65-0.77x at 4, 0.51-0.60x at 16-64, and level with
+// torch's oneDNN bf16 product at 64 and 512 rows (0.94-1.10x).
+#if defined(__AVX512BF16__)
+constexpr int64_t BF16_PAIRS = 16, BF16_BLOCK = TILE_COLS * 2 * BF16_PAIRS;   // a block: 32 inputs of 16 columns
+
+template <int NB, int R>
+void bf16_vector_rows(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w, int64_t column_stride, float* c) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < k_dim / (2 * BF16_PAIRS); ++kb)
+    for (int p = 0; p < BF16_PAIRS; ++p) {
+      const c10::BFloat16* wk = w + kb * BF16_BLOCK + p * 2 * TILE_COLS;
+      __m512bh b[NB];
+      for (int nb = 0; nb < NB; ++nb) b[nb] = (__m512bh)_mm512_loadu_si512(wk + nb * column_stride);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * k_dim + kb * 2 * BF16_PAIRS + 2 * p, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_dpbf16_ps(acc[r][nb], a, b[nb]);
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int nb = 0; nb < NB; ++nb) _mm512_storeu_ps(c + r * TILE_GROUP * TILE_COLS + nb * TILE_COLS, acc[r][nb]);
+}
+
+// The float sums of rows [0, m) of x against NB blocks from block n_block, c [m][64], four rows a time.
+template <int NB>
+void bf16_vector_pass(const c10::BFloat16* x, int64_t m, int64_t k_dim, const c10::BFloat16* w, int64_t n_block,
+                      float* c) {
+  const int64_t column_stride = k_dim / (2 * BF16_PAIRS) * BF16_BLOCK;
+  for (int64_t r = 0; r < m; r += 4)
+    with_count(std::min<int64_t>(4, m - r), [&](auto rows) {
+      bf16_vector_rows<NB, decltype(rows)::value>(x + r * k_dim, k_dim, w + n_block * column_stride, column_stride,
+                                                  c + r * TILE_GROUP * TILE_COLS);
+    });
+}
+#endif
+
+// Whether bf16 weights run packed (tile_pack): on AMX tiles where built and granted, else on
+// AVX512-BF16 vectors where built.
+bool bf16_tiles_run() { return HAS_TILE_PRODUCT && tiles_granted(); }
+bool bf16_packed_run() { return bf16_tiles_run() || HAS_BF16_PRODUCT; }
+std::string bf16_packed_products() {
+  return bf16_tiles_run() ? "AMX tiles" : HAS_BF16_PRODUCT ? "AVX512-BF16 vectors" : "";
+}
+
 at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  const int64_t n_blocks = packed.size(0), k_dim = packed.size(1) * Bf16Tiles::K, n_dim = n_blocks * TILE_COLS;
+#if defined(__AVX512BF16__)
+  const int64_t n_blocks = packed.size(0), k_dim = packed.size(1) * 2 * BF16_PAIRS, n_dim = n_blocks * TILE_COLS;
   const auto ops = product_operands(x_in, k_dim, n_dim, bias);
   const int64_t rows = ops.x.size(0);
   const auto* xp = ops.x.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias ? ops.bias.data_ptr<c10::BFloat16>() : nullptr;
   auto* yp = ops.y.data_ptr<c10::BFloat16>();
+  const bool tiles = bf16_tiles_run();
   blocked_product<float>(
-      rows, n_blocks, true,
-      [&](auto blocks, int64_t m0, int64_t, int64_t first, float* c) {
-        tile_pass<Bf16Tiles, decltype(blocks)::value>(xp + m0 * k_dim, k_dim, wp, first, c);
+      rows, n_blocks, tiles,
+      [&](auto blocks, int64_t m0, int64_t m, int64_t first, float* c) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (tiles) return tile_pass<Bf16Tiles, decltype(blocks)::value>(xp + m0 * k_dim, k_dim, wp, first, c);
+#endif
+        bf16_vector_pass<decltype(blocks)::value>(xp + m0 * k_dim, m, k_dim, wp, first, c);
       },
       [&](int64_t m0, int64_t m, int64_t first, int64_t nb, const float* c) {
         const int64_t n0 = first * TILE_COLS, width = nb * TILE_COLS;
@@ -961,13 +1042,10 @@ at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const 
       });
   return ops.y.view(ops.out_shape);
 #else
-  TORCH_CHECK(false, "tile_product: built without AMX");
+  TORCH_CHECK(false, "tile_product: built without AVX512-BF16");
   return x_in;
 #endif
 }
-
-// Whether tile_pack packs: AMX built here and granted to this process.
-bool tile_products_run() { return HAS_TILE_PRODUCT && tiles_granted(); }
 
 // A weight in tile_product's packed form: [N/16, K/32, 16 input pairs, 16 columns, 2] bf16.
 bool is_tile_packed(const at::Tensor& w) {
@@ -979,9 +1057,9 @@ bool is_tile_packed(const at::Tensor& w) {
 // experts) packs each matrix: [E, N/16, K/32, 16, 16, 2], whose [e] is expert e's packed weight.
 at::Tensor tile_pack(const at::Tensor& w) {
   const int64_t n = w.dim() >= 2 ? w.size(-2) : 0, k = w.dim() >= 2 ? w.size(-1) : 0;
-  const bool fits = HAS_TILE_PRODUCT && float_products_enabled && (w.dim() == 2 || w.dim() == 3) &&
+  const bool fits = bf16_packed_run() && float_products_enabled && (w.dim() == 2 || w.dim() == 3) &&
                     w.scalar_type() == at::kBFloat16 && n % 16 == 0 && k % 32 == 0 && n > 0 && k > 0;
-  if (!fits || !tiles_granted()) return w;
+  if (!fits) return w;
   // packed[nb][kb][p][c][e] = W[16 nb + c][32 kb + 2 p + e]
   if (w.dim() == 3)
     return w.contiguous().view({w.size(0), n / 16, 16, k / 32, 16, 2}).permute({0, 1, 3, 4, 2, 5}).contiguous();
@@ -1480,11 +1558,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("HAS_TILE_PRODUCT") = HAS_TILE_PRODUCT;
   m.def("tile_pack", &tile_pack, "W [N, K] bf16 packed for the AMX tile product where it runs, else W");
   m.def("tile_unpack", &tile_unpack, "the [N, K] matrix of a tile-packed weight");
-  m.def("tile_products_run", &tile_products_run, "whether bf16 weights pack for the AMX tile product here");
+  m.def("bf16_packed_run", &bf16_packed_run, "whether bf16 weights pack for tile_product here (AMX tiles or AVX512-BF16 vectors)");
+  m.def("bf16_packed_products", &bf16_packed_products, "where tile_product runs: AMX tiles, AVX512-BF16 vectors, or '' (no packing)");
   m.def("set_native_float_products", &set_native_float_products, "off: float products through torch (benchmarks)");
+  m.def("set_kv_prefetch", &set_kv_prefetch, "off: attention fetches no key or value row ahead (benchmarks)");
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights against each row of x quantized to int8, int32 sums", release);
   m.def("w8a8_tiles_run", &w8a8_tiles_run, "whether w8a8_linear runs on AMX tiles here");
+  m.def("w8a8_vnni_run", &w8a8_vnni_run, "whether w8a8_linear runs on AVX512-VNNI here (no AMX int8 tiles)");
   m.def("w8a8_products", &w8a8_products, "where w8a8_linear's sums are taken: AMX int8 tiles, AVX512-VNNI or a plain loop");
   m.def("set_w8a8_fast", &set_w8a8_fast, "off: w8a8_linear's plain loop, the same sums (tests, benchmarks)");
   m.attr("HAS_W8A8_TILES") = HAS_W8A8_TILES;

@@ -87,7 +87,8 @@ def auto_cpu_dtype(choice: str = "auto", quantization: str | None = None):
 
 
 def runs_tile_products(model) -> bool:
-    """Whether the model's products run on AMX tiles (its bf16 weights packed: NativeLinear.native_weight)."""
+    """Whether the model's bf16 weights run packed (NativeLinear.native_weight): on AMX tiles, or
+    AVX512-BF16 vectors where the CPU has no AMX (kernels.bf16_packed_products)."""
     weights = (getattr(m, "native_weight", None) for m in model.modules())
     return any(w is not None and w.dim() == 5 for w in weights)
 
@@ -101,8 +102,8 @@ def describe_cpu_path(model) -> str:
     if kernels is None:
         return f"pure torch; torch {torch.__version__} products; CPU features: {features}"
     dtypes = "float32 and bfloat16" if kernels.HAS_BF16_PRODUCT else "float32"
-    tiled = "; bfloat16 weights packed for AMX tiles, their products native at every row count" \
-        if runs_tile_products(model) else ""
+    tiled = f"; bfloat16 weights packed for {kernels.bf16_packed_products()}, their products native at every " \
+        "row count" if runs_tile_products(model) else ""
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
             f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}"
             f"{describe_w8a8(model, kernels)}; CPU features: {features}")

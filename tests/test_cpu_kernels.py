@@ -73,15 +73,16 @@ def test_the_native_product_matches_torch_and_does_not_depend_on_the_batch(rows,
     torch.testing.assert_close(half, F.linear(x.half(), weight.half()), atol=0, rtol=0)
 
 
-TILES = kernels is not None and kernels.tile_products_run()
+TILES = kernels is not None and kernels.bf16_packed_run()
 
 
-@pytest.mark.skipif(not TILES, reason="no AMX tile product here (amx_bf16 and Linux 5.16+)")
+@pytest.mark.skipif(not TILES, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 64)])   # whole groups of 4 tiles, and 3
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_tile_product_matches_torch_and_no_row_depends_on_the_batch(rows, out_features, in_features, bias):
-    """The AMX product of a packed bf16 weight: within one bf16 step of the exact sum, and each row
+    """The product of a packed bf16 weight (AMX tiles, or AVX512-BF16 vectors where the CPU grants no
+    tiles): within one bf16 step of the exact sum, and each row
     bit for bit what it is alone, at every row count (tiles of 16 rows, the last one partial)."""
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).bfloat16()
@@ -107,7 +108,7 @@ def test_the_tile_product_matches_torch_and_no_row_depends_on_the_batch(rows, ou
         kernels.set_native_float_products(True)
 
 
-@pytest.mark.skipif(not TILES, reason="no AMX tile product here (amx_bf16 and Linux 5.16+)")
+@pytest.mark.skipif(not TILES, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
 def test_only_bf16_weights_of_whole_tiles_pack_and_a_packed_weight_refuses_other_inputs():
     gen = torch.Generator().manual_seed(0)
     for weight in (torch.randn(48, 64, generator=gen),                 # float32
@@ -324,7 +325,7 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
         assert choice == "torch" or ("bfloat16 products" in described) == kernels.HAS_BF16_PRODUCT
         packed = [m for m in linears if type(m) is NativeLinear and m.native_weight.dim() == 5]
         assert bool(packed) == (choice == "native" and dtype == torch.bfloat16 and TILES)
-        assert ("AMX tiles" in described) == bool(packed)
+        assert (f"packed for {kernels.bf16_packed_products()}" in described) == bool(packed)
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)
         steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]
