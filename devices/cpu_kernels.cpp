@@ -341,10 +341,10 @@ void attend_by_products(const float* const* query, int64_t n_rows, int64_t group
 // Keys and values a sequence holds sit wherever its slots are: a decode step allocates one slot a
 // sequence, so the slots of requests decoding side by side interleave (and free slots are reused in
 // any order), each key another cache row, too far from the last for the hardware prefetcher. Each
-// row was a miss waiting on memory: the first loads of a key and of a value took 65% of a 16-row bf16
-// decode step's samples (perf) at 700 keys of context. attend_rows asks for the rows FETCH_AHEAD
-// keys ahead of the ones it reads (8 ahead gained about half of what 32 did; bench/cpu_kernels.py
-// --context 1000, column native-no-kv-prefetch).
+// row was a miss waiting on memory: the first loads of a key and of a value took 65% of attention's
+// samples, itself 72% of a 16-row bf16 decode step's (perf), at about 700 keys of context. attend_rows
+// asks for the rows FETCH_AHEAD keys ahead of the ones it reads (8 ahead gained less than 32;
+// bench/cpu_kernels.py --context 1000, column native-no-kv-prefetch).
 constexpr int64_t FETCH_AHEAD = 32;
 
 // Off: attention fetches no key or value row ahead (benchmarks measure both).
@@ -960,12 +960,11 @@ void blocked_product(int64_t rows, int64_t n_blocks, bool tiles, const Pass& pas
 
 // Where the CPU multiplies bf16 pairs (AVX512-BF16) but grants no AMX tiles, the packed blocks are
 // read by vectors as they are: a block's row p (64 bytes) is the input pair 2p, 2p + 1 of its 16
-// columns, one vdpbf16ps against that pair of x broadcast, 16 output sums side by side (no horizontal
-// sums, which took a third of few_row_product's instructions at K = 256). R rows of x against NB
-// blocks: each vector of W is loaded once for R rows. A column's sum is its pairs in order, whatever
-// rows are read with it. On an AMD EPYC (bench/cpu_linear.py, the model's five shapes, 2 threads):
-// 0.71-0.98x few_row_product's time at 1 row, 0.65-0.77x at 4, 0.51-0.60x at 16-64, and level with
-// torch's oneDNN bf16 product at 64 and 512 rows (0.94-1.10x).
+// columns, one vdpbf16ps against that pair of x broadcast, 16 output sums side by side (none summed
+// across lanes at the end, as few_row_product's are). R rows of x against NB blocks: each vector of W
+// is loaded once for R rows. A column's sum is its pairs in order, whatever rows are read with it. On an AMD EPYC (bench/cpu_linear.py, the model's five shapes, 2 threads):
+// 0.52-0.93x few_row_product's time at 1 row, 0.59-0.75x at 4, 0.48-0.75x at 16-64, and level with
+// torch's oneDNN bf16 product at 512 rows (0.88-1.07x).
 #if defined(__AVX512BF16__)
 constexpr int64_t BF16_PAIRS = 16, BF16_BLOCK = TILE_COLS * 2 * BF16_PAIRS;   // a block: 32 inputs of 16 columns
 
