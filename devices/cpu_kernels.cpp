@@ -354,7 +354,8 @@ void set_kv_prefetch(bool enabled) { kv_prefetch_enabled = enabled; }
 
 template <typename T, int64_t DIM>
 inline void fetch_row(const T* row) {
-  for (int64_t b = 0; b < DIM * int64_t(sizeof(T)); b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < DIM * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 3);
 }
 
 // Query rows of a (sequence, kv head) read in registers (decode steps, verify runs, draft steps), for
@@ -962,9 +963,10 @@ void blocked_product(int64_t rows, int64_t n_blocks, bool tiles, const Pass& pas
 // read by vectors as they are: a block's row p (64 bytes) is the input pair 2p, 2p + 1 of its 16
 // columns, one vdpbf16ps against that pair of x broadcast, 16 output sums side by side (none summed
 // across lanes at the end, as few_row_product's are). R rows of x against NB blocks: each vector of W
-// is loaded once for R rows. A column's sum is its pairs in order, whatever rows are read with it. On an AMD EPYC (bench/cpu_linear.py, the model's five shapes, 2 threads):
-// 0.52-0.93x few_row_product's time at 1 row, 0.59-0.75x at 4, 0.48-0.75x at 16-64, and level with
-// torch's oneDNN bf16 product at 512 rows (0.88-1.07x).
+// is loaded once for R rows. A column's sum is its pairs in order, whatever rows are read with it.
+// On an AMD EPYC (bench/cpu_linear.py, the model's five shapes, 2 threads): 0.52-0.93x
+// few_row_product's time at 1 row, 0.59-0.75x at 4, 0.48-0.75x at 16-64, and level with torch's
+// oneDNN bf16 product at 512 rows (0.88-1.07x).
 #if defined(__AVX512BF16__)
 constexpr int64_t BF16_PAIRS = 16, BF16_BLOCK = TILE_COLS * 2 * BF16_PAIRS;   // a block: 32 inputs of 16 columns
 
