@@ -95,7 +95,7 @@ def native_paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     w8a8 = [(w8a8_pack(q), scale) for q, scale in map(quantize_weight, weights)]
     found["native w8a8"] = [lambda p=p, s=s: kernels.w8a8_linear(x, p, s, None) for p, s in w8a8]
     found["native w8a8 bf16"] = [lambda p=p, s=s: kernels.w8a8_linear(xb, p, s, None) for p, s in w8a8]
-    if kernels.w8a8_products() != "a plain loop":
+    if kernels.w8a8_fast_run():
         found["native w8a8 plain loop"] = [lambda p=p, s=s: w8a8_plain_loop(kernels, x, p, s) for p, s in w8a8]
     return found
 

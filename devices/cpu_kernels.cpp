@@ -1218,6 +1218,7 @@ std::atomic<bool> w8a8_fast_enabled{true};
 void set_w8a8_fast(bool enabled) { w8a8_fast_enabled = enabled; }      // off: the plain loop (tests, benchmarks)
 bool w8a8_tiles_run() { return HAS_W8A8_TILES && w8a8_fast_enabled && tiles_granted(); }
 bool w8a8_vnni_run() { return HAS_W8A8_VNNI && w8a8_fast_enabled && !w8a8_tiles_run(); }
+bool w8a8_fast_run() { return w8a8_tiles_run() || w8a8_vnni_run(); }      // not the plain loop
 
 // Where w8a8_linear's int32 sums are taken here, in the start-up log's words.
 std::string w8a8_products() {
@@ -1557,7 +1558,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("FLOAT_LINEAR_MAX_ROWS") = FLOAT_LINEAR_MAX_ROWS;
   m.attr("HAS_BF16_PRODUCT") = HAS_BF16_PRODUCT;
   m.attr("HAS_TILE_PRODUCT") = HAS_TILE_PRODUCT;
-  m.def("tile_pack", &tile_pack, "W [N, K] bf16 packed for the AMX tile product where it runs, else W");
+  m.def("tile_pack", &tile_pack, "W [N, K] bf16 packed for tile_product where it runs (AMX tiles or AVX512-BF16 vectors), else W");
   m.def("tile_unpack", &tile_unpack, "the [N, K] matrix of a tile-packed weight");
   m.def("bf16_packed_run", &bf16_packed_run, "whether bf16 weights pack for tile_product here (AMX tiles or AVX512-BF16 vectors)");
   m.def("bf16_packed_products", &bf16_packed_products, "where tile_product runs: AMX tiles, AVX512-BF16 vectors, or '' (no packing)");
@@ -1566,7 +1567,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights against each row of x quantized to int8, int32 sums", release);
   m.def("w8a8_tiles_run", &w8a8_tiles_run, "whether w8a8_linear runs on AMX tiles here");
-  m.def("w8a8_vnni_run", &w8a8_vnni_run, "whether w8a8_linear runs on AVX512-VNNI here (no AMX int8 tiles)");
+  m.def("w8a8_fast_run", &w8a8_fast_run, "whether w8a8_linear runs on AMX int8 tiles or AVX512-VNNI here (not the plain loop)");
   m.def("w8a8_products", &w8a8_products, "where w8a8_linear's sums are taken: AMX int8 tiles, AVX512-VNNI or a plain loop");
   m.def("set_w8a8_fast", &set_w8a8_fast, "off: w8a8_linear's plain loop, the same sums (tests, benchmarks)");
   m.attr("HAS_W8A8_TILES") = HAS_W8A8_TILES;

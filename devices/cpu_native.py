@@ -86,7 +86,7 @@ def auto_cpu_dtype(choice: str = "auto", quantization: str | None = None):
     return torch.bfloat16 if kernels is not None and kernels.HAS_BF16_PRODUCT else torch.float32
 
 
-def runs_tile_products(model) -> bool:
+def runs_packed_bf16(model) -> bool:
     """Whether the model's bf16 weights run packed (NativeLinear.native_weight): on AMX tiles, or
     AVX512-BF16 vectors where the CPU has no AMX (kernels.bf16_packed_products)."""
     weights = (getattr(m, "native_weight", None) for m in model.modules())
@@ -103,7 +103,7 @@ def describe_cpu_path(model) -> str:
         return f"pure torch; torch {torch.__version__} products; CPU features: {features}"
     dtypes = "float32 and bfloat16" if kernels.HAS_BF16_PRODUCT else "float32"
     tiled = f"; bfloat16 weights packed for {kernels.bf16_packed_products()}, their products native at every " \
-        "row count" if runs_tile_products(model) else ""
+        "row count" if runs_packed_bf16(model) else ""
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
             f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}"
             f"{describe_w8a8(model, kernels)}; CPU features: {features}")

@@ -264,17 +264,17 @@ def draft_quantization(args: "ServerArgs", target: Target) -> str | None:
     W8A8 target 1.06x and 1.07x; on VNNI without AMX, against the int8 head: 1.07x and 1.10x on a bf16
     target, 1.16x and 1.15x on a W8A8 one), else int8 where the target runs the native kernels (an
     int8 EAGLE head took a step of the embedded model from 3.15 to 2.77 ms at one request, the same
-    tokens per step; README "Performance") but not their bf16 tile products (there the bf16 head
+    tokens per step; README "Performance") but do not pack its bf16 weights (there the bf16 head
     measured faster: 1.14x decode tok/s at one request, 1.31x output tok/s at 16), else
     --quantization."""
-    from devices.cpu_native import runs_tile_products
+    from devices.cpu_native import runs_packed_bf16
 
     choice = args.speculative_draft_quantization
     if choice == "auto":
         kernels = getattr(target.model, "kernels", None)
-        if kernels is not None and (kernels.w8a8_tiles_run() or kernels.w8a8_vnni_run()):
+        if kernels is not None and kernels.w8a8_fast_run():
             return "w8a8_int8"
-        return "int8" if kernels is not None and not runs_tile_products(target.model) else args.quantization
+        return "int8" if kernels is not None and not runs_packed_bf16(target.model) else args.quantization
     return None if choice == "none" else choice
 
 

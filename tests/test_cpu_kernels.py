@@ -73,10 +73,10 @@ def test_the_native_product_matches_torch_and_does_not_depend_on_the_batch(rows,
     torch.testing.assert_close(half, F.linear(x.half(), weight.half()), atol=0, rtol=0)
 
 
-TILES = kernels is not None and kernels.bf16_packed_run()
+PACKED_BF16 = kernels is not None and kernels.bf16_packed_run()
 
 
-@pytest.mark.skipif(not TILES, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
+@pytest.mark.skipif(not PACKED_BF16, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 64)])   # whole groups of 4 tiles, and 3
 @pytest.mark.parametrize("bias", [False, True])
@@ -108,7 +108,7 @@ def test_the_tile_product_matches_torch_and_no_row_depends_on_the_batch(rows, ou
         kernels.set_native_float_products(True)
 
 
-@pytest.mark.skipif(not TILES, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
+@pytest.mark.skipif(not PACKED_BF16, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
 def test_only_bf16_weights_of_whole_tiles_pack_and_a_packed_weight_refuses_other_inputs():
     gen = torch.Generator().manual_seed(0)
     for weight in (torch.randn(48, 64, generator=gen),                 # float32
@@ -148,7 +148,7 @@ def test_moe_experts_match_the_grouped_torch_path(dtype, tokens, held, hidden):
     reference = experts.forward_grouped(x, expert_ids, weights)
     native = kernels.moe_experts(x, expert_ids, weights, experts.gate_up_proj, experts.down_proj, experts.first)
     torch.testing.assert_close(native, reference, **tolerance(dtype))
-    if dtype == torch.bfloat16 and TILES and hidden == 64:       # each expert packed for the tile product
+    if dtype == torch.bfloat16 and PACKED_BF16 and hidden == 64:       # each expert packed for the tile product
         gate_up, down = kernels.tile_pack(experts.gate_up_proj), kernels.tile_pack(experts.down_proj)
         count = held[1] - held[0]
         assert gate_up.shape == (count, 4, 2, 16, 16, 2) and down.shape == (count, 4, 1, 16, 16, 2)
@@ -324,7 +324,7 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
             f"products of up to {kernels.FLOAT_LINEAR_MAX_ROWS} rows" in described
         assert choice == "torch" or ("bfloat16 products" in described) == kernels.HAS_BF16_PRODUCT
         packed = [m for m in linears if type(m) is NativeLinear and m.native_weight.dim() == 5]
-        assert bool(packed) == (choice == "native" and dtype == torch.bfloat16 and TILES)
+        assert bool(packed) == (choice == "native" and dtype == torch.bfloat16 and PACKED_BF16)
         assert (f"packed for {kernels.bf16_packed_products()}" in described) == bool(packed)
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)

@@ -160,13 +160,13 @@ def test_a_w8a8_model_gives_the_same_logits_on_both_paths(dtype):
     assert (logits[0] - logits[1]).abs().max() < 0.5
 
 
-TILES = kernels is not None and kernels.bf16_packed_run()      # --dtype auto is bf16 on such a CPU
-W8A8_FAST = kernels is not None and (kernels.w8a8_tiles_run() or kernels.w8a8_vnni_run())   # tiles or VNNI
+PACKED_BF16 = kernels is not None and kernels.bf16_packed_run()      # --dtype auto is bf16 on such a CPU
+W8A8_FAST = kernels is not None and kernels.w8a8_fast_run()      # AMX int8 tiles or AVX512-VNNI
 
 
 @pytest.mark.parametrize("flags, expected", [
     ([], "w8a8_int8" if W8A8_FAST else "int8"),      # auto (float32 in the tests), native kernels: int8 drafts,
-    (["--dtype", "bfloat16"], "w8a8_int8" if W8A8_FAST else None if TILES else "int8"),   # W8A8 on int8 tiles or VNNI
+    (["--dtype", "bfloat16"], "w8a8_int8" if W8A8_FAST else None if PACKED_BF16 else "int8"),   # W8A8 on tiles or VNNI
     (["--cpu-kernels", "torch"], None),                              # auto without them: as --quantization
     (["--cpu-kernels", "torch", "--quantization", "int8"], "int8"),
     (["--speculative-draft-quantization", "none"], None),
