@@ -172,6 +172,33 @@ def test_bfloat16_load_runs(tiny_target):
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
+COMPILER_MODULES = ("torch._dynamo", "sympy")
+LOAD_AND_RUN = """
+import sys, torch
+from engine.models.loader import load_draft, load_model
+from engine.models.testing import PagedRunner
+for target, head in (("tandem-dense", "tandem-dense-eagle"), ("tandem-moe", "tandem-moe-eagle")):
+    model, _ = load_model("models/" + target, "bfloat16", "cpu")
+    load_draft("models/" + head, model, "bfloat16", "cpu")
+    ids, batch = PagedRunner(model.kv_layout(), torch.bfloat16).step([(0, [1, 2, 3])])
+    with torch.inference_mode():
+        model.compute_logits(model(ids, batch).hidden)
+print(sorted(name for name in %r if name in sys.modules))
+"""
+
+
+def test_loading_and_running_import_no_compiler_stack():
+    """Building a model on the meta device skips nn.init's fills (loader.InitSkipped): on meta they
+    import torch._dynamo and sympy, about 80 MB of every rank's resident memory, for values the
+    checkpoint then replaces. A fresh interpreter, as a rank starts."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN % (COMPILER_MODULES,)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 # ---------------------------------------------------------------------------- loader errors
 
 @pytest.fixture(scope="module")
