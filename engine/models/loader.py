@@ -155,7 +155,7 @@ class InitSkipped(TorchFunctionMode):
     """torch.nn.init's random fills made no-ops while a model is built on the meta device: every
     parameter is assigned from the checkpoint afterwards. On meta tensors torch runs those fills
     through its Python reference implementations, whose first use imports torch._dynamo and, with
-    it, sympy and torch.distributed: 820 modules, about 80 MB of a rank's resident memory
+    it, sympy and torch.distributed: 820 modules, about 70 MB of a rank's resident memory
     (README "Resident memory")."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
