@@ -1,12 +1,15 @@
 """An EAGLE head's greedy draft chain in-process, two ways side by side: one native call
 (LlamaForCausalLMEagle.draft_chain: devices/cpu_kernels.cpp eagle_chain) and the worker's
-step-by-step loop from Python (forward, compute_logits, top_choice, the keep rule).
+step-by-step loop from Python (forward, compute_logits, top_choice, the keep rule); and the same for
+its extend over a verify's tokens (extend_native: eagle_extend, against forward, the picked rows,
+compute_logits and top_choice from Python).
 
     python bench/draft_chain.py --threads 2 [--dtype bfloat16] [--rows 1,16] [--steps 4]
 
 Each of `rows` sequences holds --context tokens of a repeated prompt; a chain drafts --steps tokens
-after the first with no trim (every step runs), so both ways do the same work. Medians of --repeats
-chains, the two ways alternating; also checks that both give the same drafts.
+after the first with no trim (every step runs), so both ways do the same work; an extend reads
+--steps + 1 tokens a row (a whole chain verified). Medians of --repeats chains, the two ways
+alternating; also checks that both give the same drafts.
 """
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ def main() -> None:
         python_us, native_us, same = time_chains(head, rows, dtype, args)
         print(f"rows {rows:3d}: a draft step {python_us:7.1f} us step by step, {native_us:7.1f} us in one native "
               f"call ({native_us / python_us:.2f}x); same drafts: {same}")
+        python_us, native_us, same = time_extends(head, rows, dtype, args)
+        print(f"rows {rows:3d}: an extend {python_us:7.1f} us from Python, {native_us:7.1f} us in one native "
+              f"call ({native_us / python_us:.2f}x); same drafts: {same}")
 
 
 @torch.inference_mode()
@@ -82,6 +88,33 @@ def time_chains(head, rows: int, dtype: torch.dtype, args) -> tuple[float, float
             t0 = time.perf_counter()
             run()
             times[name].append((time.perf_counter() - t0) * 1e6 / args.steps)
+    return statistics.median(times["python"][5:]), statistics.median(times["native"][5:]), same
+
+
+@torch.inference_mode()
+def time_extends(head, rows: int, dtype: torch.dtype, args) -> tuple[float, float, bool]:
+    """(µs an extend from Python, µs in one native call, whether both drafted the same): every row
+    reads --steps + 1 verified tokens after its context, and its last one seeds the next chain."""
+    per_row = args.steps + 1
+    runner = PagedRunner(head.kv_layout(), dtype, max_requests=rows, max_context=args.context + per_row + 8)
+    ids, batch = runner.step([(b, [100 + (b + i) % 11 for i in range(args.context)]) for b in range(rows)])
+    noise = torch.Generator().manual_seed(0)
+    head(ids, torch.randn(ids.shape[0], head.hidden_size, generator=noise).to(dtype), batch)
+    ids, batch = runner.step([(b, [200 + (b + i) % 13 for i in range(per_row)]) for b in range(rows)])
+    features = torch.randn(ids.shape[0], head.hidden_size, generator=noise).to(dtype)
+    pick = torch.arange(1, rows + 1) * per_row - 1
+
+    def from_python() -> torch.Tensor:
+        return top_choice(head.compute_logits(head(ids, features, batch)[pick]), True, head.kernels)[0]
+
+    ways = {"python": from_python, "native": lambda: head.extend_native(ids, features, batch, pick)[1]}
+    same = torch.equal(ways["native"](), ways["python"]())
+    times = {name: [] for name in ways}
+    for _ in range(args.repeats):
+        for name, run in ways.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times["python"][5:]), statistics.median(times["native"][5:]), same
 
 

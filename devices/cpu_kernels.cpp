@@ -1544,6 +1544,37 @@ std::tuple<at::Tensor, at::Tensor> eagle_chain(
   return {at::stack(drafts, 1), kept.empty() ? at::zeros({0, batch}, keep_in.options()) : at::stack(kept, 0)};
 }
 
+// An EAGLE-1 head's extend in one call (spec/eagle_worker.py: EagleWorker.extend), what the head's
+// modules compute from Python: every row's verified tokens (sequence b: tokens q_start[b] ..
+// q_start[b] + q_len[b] - 1, at the positions before kv_len[b]) with the target's features,
+//   g = dense_layer(linear(cat(embed[tokens], features), fc));
+// then the rows `pick` of g (each sequence's last accepted position) are the next step's hidden states,
+// and their greedy drafts with the softmax probability of each. Returns (hidden [B, H], drafts [B],
+// probabilities [B]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_extend(
+    const at::Tensor& tokens, const at::Tensor& features, const at::Tensor& q_start, const at::Tensor& q_len,
+    const at::Tensor& kv_len, const at::Tensor& rows, const at::Tensor& table, at::Tensor k_cache, at::Tensor v_cache,
+    const at::Tensor& pick, const at::Tensor& embed, const at::Tensor& inv_freq, const at::Tensor& fc_w,
+    const c10::optional<at::Tensor>& fc_b, const c10::optional<at::Tensor>& fc_s, const at::Tensor& head_w,
+    const c10::optional<at::Tensor>& head_s, const std::vector<c10::optional<at::Tensor>>& w, double eps,
+    double qk_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, int64_t int8_max_rows) {
+  const int64_t n = tokens.numel(), seqs = q_start.numel();
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && features.dim() == 2 && features.size(0) == n,
+              "eagle_extend: tokens [T] and features [T, H] must agree");
+  TORCH_CHECK(q_len.numel() == seqs && kv_len.numel() == seqs && rows.numel() == seqs && pick.numel() == seqs
+              && pick.scalar_type() == at::kLong, "eagle_extend: q_start, q_len, kv_len, rows and pick must be [B]");
+  check_layer_list(w, "eagle_extend");
+  const at::Tensor embeds = embed.index_select(0, tokens);           // checks each id against the vocabulary
+  const at::Tensor x = layer_linear(at::cat({embeds, features.to(embeds.scalar_type())}, -1), fc_w, fc_b, fc_s,
+                                    int8_max_rows);
+  const at::Tensor rope = rope_table(q_start, q_len, kv_len, n, inv_freq);
+  const at::Tensor g = listed_dense_layer(x, rope, k_cache, v_cache, q_start, q_len, kv_len, rows, table, w, eps,
+                                          qk_eps, num_heads, num_kv_heads, head_dim, scale, int8_max_rows)
+                           .index_select(0, pick);                   // checks each pick against the tokens
+  const auto [top, confidence] = top_choice(layer_linear(g, head_w, {}, head_s, int8_max_rows).to(at::kFloat));
+  return {g, top, confidence};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1579,5 +1610,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &moe_experts, "the routed experts of a sparse MoE block, weighted and summed", release);
   m.def("top_choice", &top_choice, "each row's argmax and its softmax probability", release);
   m.def("eagle_chain", &eagle_chain, "an EAGLE-1 head's greedy draft chain, trimmed by confidence", release);
+  m.def("eagle_extend", &eagle_extend, "an EAGLE-1 head's extend over the verified tokens, and its next first drafts", release);
   m.def("attention", &attention, "rotary + KV write + attention over the slot-indexed cache", release);
 }

@@ -148,11 +148,27 @@ class EagleWorker(SpecWorker):
             g = self.graphs.extend.run(batch, (per_row - 1, self.target.key_width(inp.max_kv)), tokens=v.emitted,
                                        features=features.view(batch, per_row, -1), accepted=v.n, first_pos=L,
                                        rows=rows)["hidden"]
+        elif inp.sampling.all_greedy and self.native_extend(rows, v, features):
+            self.mark("extend", marks)
+            return
         else:
             g_all = self.head(v.flat_emitted(), features, v.attn.with_kv(self.draft_kv))
             g = g_all[v.flat_index(v.n)]
         self.seed_rows(rows, g, inp.sampling, salt=30)
         self.mark("extend", marks)
+
+    def native_extend(self, rows: torch.Tensor, v: Verified, features: torch.Tensor) -> bool:
+        """extend and seed_rows for an all-greedy batch in one call, where the head has one
+        (extend_native): False where it has not, and nothing was done."""
+        out = self.head.extend_native(v.flat_emitted(), features, v.attn.with_kv(self.draft_kv), v.flat_index(v.n))
+        if out is None:
+            return False
+        g, first, confidence = out
+        self.draft_first[rows] = first              # target ids: a head with a token map has no native call
+        if self.trims:
+            self.first_confidence[rows] = confidence
+        self.draft_hidden[rows] = g.to(self.draft_hidden.dtype)
+        return True
 
     # ---- prefill -------------------------------------------------------------------
 

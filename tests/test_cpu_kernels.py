@@ -435,8 +435,43 @@ def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, tr
     assert torch.equal(runners[0].kv.k[0], runners[1].kv.k[0]) and torch.equal(runners[0].kv.v[0], runners[1].kv.v[0])
 
 
+@pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_native_extend_is_the_heads_modules(dtype, quantization):
+    """eagle_extend (LlamaForCausalLMEagle.extend_native) against what the EAGLE worker's extend runs
+    from Python: the head over verify-like runs of 1, 3 and 5 tokens a row (after prompts of different
+    lengths), each row's output at a picked position, its greedy draft and probability; the same
+    numbers, and the same keys and values in the cache."""
+    from engine.models.loader import load_draft, load_model
+    from engine.models.testing import PagedRunner
+    from spec.chains import top_choice
+    target = load_model(DENSE, dtype, "cpu", cpu_kernels="native", quantization=quantization)[0]
+    head = load_draft(DENSE.with_name("tandem-dense-eagle"), target, dtype, "cpu", cpu_kernels="native",
+                      quantization=quantization)[0]
+    lengths = [40, 47, 61]
+    prompts = [[(7 + 3 * b + i) % 11 + 100 for i in range(n)] for b, n in enumerate(lengths)]
+    verified = [[(5 * b + i) % 13 + 200 for i in range(q)] for b, q in enumerate([1, 3, 5])]
+    pick = torch.tensor([0, 1 + 2, 1 + 3 + 4])             # row 0's only token, row 1's 3rd, row 2's 5th
+    target_runner = PagedRunner(target.kv_layout(), dtype, max_requests=3, max_context=96)
+    runners = [PagedRunner(head.kv_layout(), dtype, max_requests=3, max_context=96) for _ in range(2)]
+    with torch.inference_mode():
+        features = [target(*target_runner.step(list(enumerate(chunks)))).hidden for chunks in (prompts, verified)]
+        for runner in runners:
+            ids, batch = runner.step(list(enumerate(prompts)))
+            head(ids, features[0], batch)
+        ids, batch = runners[0].step(list(enumerate(verified)))
+        g = head(ids, features[1], batch)[pick]
+        top, confidence = top_choice(head.compute_logits(g), True, head.kernels)
+        ids, batch = runners[1].step(list(enumerate(verified)))
+        native_g, native_top, native_confidence = head.extend_native(ids, features[1], batch, pick)
+    assert torch.equal(native_g, g) and torch.equal(native_top, top)
+    assert torch.equal(native_confidence, confidence)
+    assert torch.equal(runners[0].kv.k[0], runners[1].kv.k[0]) and torch.equal(runners[0].kv.v[0], runners[1].kv.v[0])
+
+
 def test_a_head_the_kernels_cannot_run_whole_drafts_step_by_step():
-    """A token map (draft ids are not target ids) or a cache of another dtype: no native chain."""
+    """A token map (draft ids are not target ids) or a cache of another dtype: no native chain, no
+    native extend."""
     from engine.models.loader import load_draft, load_model
     from engine.models.testing import PagedRunner
     target = load_model(DENSE, torch.float32, "cpu", cpu_kernels="native")[0]
@@ -448,6 +483,8 @@ def test_a_head_the_kernels_cannot_run_whole_drafts_step_by_step():
     head.restrict_vocab(torch.arange(0, head.vocab_size, 2))
     same_dtype = PagedRunner(head.kv_layout(), torch.float32, max_requests=1, max_context=8).kv
     assert head.draft_chain(*args, same_dtype, 2, torch.ones(1, dtype=torch.bool), 0.1) is None
+    ids, batch = PagedRunner(head.kv_layout(), torch.float32, max_requests=1, max_context=8).step([(0, [1, 2])])
+    assert head.extend_native(ids, torch.zeros(2, head.hidden_size), batch, one) is None
 
 
 def test_switching_the_kernels_off_after_a_forward_leaves_nothing_native_cached(monkeypatch):

@@ -111,8 +111,15 @@ class DraftHead(VocabProjection, nn.Module, ABC):
         the caller drafts step by step."""
         return None
 
+    def extend_native(self, tokens: torch.Tensor, features: torch.Tensor, batch, pick: torch.Tensor) -> tuple | None:
+        """The head over the verified tokens, the rows `pick` of its output, and their greedy drafts
+        with their probabilities, in one native call where the head has one: (hidden [B, H], drafts
+        [B], probabilities [B]) (see LlamaForCausalLMEagle). None: the caller runs the modules."""
+        return None
+
     def native_chain_parts(self, kv) -> tuple | None:
-        """What draft_chain's native call reads besides the chain's inputs; None: no native chain."""
+        """What draft_chain's and extend_native's native calls read besides their inputs; None: the
+        head has none."""
         return None
 
     def lm_head_weight(self) -> torch.Tensor:

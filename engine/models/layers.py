@@ -43,7 +43,7 @@ def check_dense_attention(config) -> None:
 
 # What a module caches from its kernels (packed weights, a layer's or the stack's native call): dropped
 # whenever the kernels change, so that no forward reads what was built for others.
-NATIVE_CACHES = ("native_weight", "native_weights", "native_lm_head_of", "native_stack")
+NATIVE_CACHES = ("native_weight", "native_weights", "native_lm_head_of", "native_stack", "native_parts_of")
 
 
 def use_cpu_kernels(model: nn.Module, kernels) -> None:
