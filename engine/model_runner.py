@@ -272,14 +272,16 @@ class ModelRunner:
         device tensors for free (the CPU), the rounds stop once every row's request has all its tokens
         (worker.rows_ended): a round of ended rows emits nothing the host keeps (a launch planned while
         the one before ran cannot know that its requests end there), and a run of 3.2 tokens a round
-        at concurrency 1 left a third of the rounds so."""
+        at concurrency 1 left a third of the rounds so). That holds for the first round too: under
+        overlap a request's last launch is followed by one planned before its end was known, which
+        then runs no round at all."""
         if inp.steps > 1:
             rounds = []
             for i in range(inp.steps):
-                if rounds and self.worker.trims and self.worker.rows_ended(inp):
+                if self.worker.trims and self.worker.rows_ended(inp):
                     break
                 rounds.append(self.worker.decode_step(inp.round(i)))
-            result = StepResult.of_rounds(rounds)
+            result = StepResult.of_rounds(rounds, inp.rows.numel())
         else:
             result = self.worker.decode_step(inp)
         put = self.put

@@ -77,15 +77,19 @@ class StepResult:
     drafted: torch.Tensor | None = None        # speculative steps: [B] drafts each row verified
     verify_tokens: int = 0                     # speculative steps: tokens the verify forward read
     rounds: list["StepResult"] | None = None   # a multi-round speculative launch: each round's result
+    seqs: int = 0                              # a multi-round launch: its sampling sequences
 
     @classmethod
-    def of_rounds(cls, rounds: list["StepResult"]) -> "StepResult":
-        """One result for the rounds of a launch; its marks run through every round's phases."""
-        marks = rounds[0].marks + [mark for r in rounds[1:] for mark in r.marks[1:]]
-        return cls(marks=marks, rounds=rounds, verify_tokens=sum(r.verify_tokens for r in rounds))
+    def of_rounds(cls, rounds: list["StepResult"], seqs: int) -> "StepResult":
+        """One result for the rounds of a launch of `seqs` sequences; its marks run through every
+        round's phases. No rounds (every row had ended): each sequence emits nothing."""
+        marks = rounds[0].marks + [mark for r in rounds[1:] for mark in r.marks[1:]] if rounds else []
+        return cls(marks=marks, rounds=rounds, verify_tokens=sum(r.verify_tokens for r in rounds), seqs=seqs)
 
     def output(self) -> StepOutput:
         """Host lists (call once the step's launch resolved)."""
+        if self.rounds == []:
+            return StepOutput(tokens=[[] for _ in range(self.seqs)], rounds=[[] for _ in range(self.seqs)])
         if self.rounds:
             return StepOutput.joined([r.output() for r in self.rounds])
         if self.emitted is None:

@@ -442,3 +442,30 @@ async def test_a_launch_stops_its_rounds_once_its_requests_have_every_token(algo
         assert early                                          # a launch ended before its last round
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+async def test_a_launch_planned_past_its_requests_end_runs_no_round(algorithm, prompts):
+    """With overlap, one greedy request at a time: the launch after a request's last is planned while
+    that one runs, before the host knows the request ends there. On the CPU the device sees every
+    row ended and runs none of its rounds (before, its first round always ran: a draft and a verify
+    of nothing kept); the request's tokens are plain decoding's, and the next request is unharmed."""
+    from tests.server_harness import DENSE
+    from tests.test_engine_core import Engine
+    engine = Engine(["--model-path", str(DENSE), "--speculative-algorithm", algorithm, "--max-total-tokens", "4096",
+                     "--num-scheduler-steps", "8", "--max-launch-ms", "0"])
+    params = [SamplingParams(max_new_tokens=limit, temperature=0, ignore_eos=True) for limit in (12, 30)]
+    try:
+        ran = []
+        engine.core.observers.append(lambda done: done.batch.is_spec_decode and ran.append(
+            len(done.result.rounds) if done.result.rounds is not None else None))
+        reqs = []
+        for i, p in enumerate(params):
+            reqs.append(engine.add(f"r{i}", prompts[i], p))
+            await engine.finish()
+        assert 0 in ran                                       # a launch past a request's end ran no round
+        assert engine.core.scheduler.pool.used_slots == 0
+    finally:
+        engine.close()
+    plain = await outputs(ONE_STEP, prompts[:2], params)
+    assert [r.output_ids for r in reqs] == [o[0] for o in plain]
