@@ -1,8 +1,9 @@
 """One linear layer's product on the CPU, through each path PyTorch offers and Tandem's native kernels,
 at the shapes of a model's layers: plain F.linear (f32), oneDNN with a prepacked weight (f32 and bf16),
-MKL's packed f32; the native products in f32, bf16 (vectors; AMX tiles on a packed weight where the
-CPU has them), int8 weight-only and w8a8_int8 (int8 activations; AMX int8 tiles or AVX512-VNNI
-where they run, else the plain loop, which is measured beside them)
+MKL's packed f32; the native products in f32 (vectors; packed for AVX-512 vectors where the CPU has
+them), bf16 (vectors; AMX tiles or AVX512-BF16 vectors on a packed weight where the CPU has them),
+int8 weight-only and w8a8_int8 (int8 activations; AMX int8 tiles or AVX512-VNNI where they run, else
+the plain loop, which is measured beside them)
 (devices/cpu_kernels.cpp).
 
     python bench/cpu_linear.py                           # tandem-dense's shapes, M = 1 and 16
@@ -74,8 +75,9 @@ def paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
 
 def native_paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     """The native kernels' products as the model calls them (NativeLinear, Int8Linear), where they
-    build and take these rows; bf16 from the weight as loaded (few_row_product's vectors), and packed by
-    tile_pack where it packs (AMX tiles, or AVX512-BF16 vectors over the same blocks)."""
+    build and take these rows; float32 and bf16 from the weight as loaded (few_row_product's vectors), and
+    packed by tile_pack where it packs (float32: AVX-512 vectors; bf16: AMX tiles, or AVX512-BF16 vectors
+    over the same blocks)."""
     kernels = cpu_native.cpu_kernels("auto")
     if kernels is None:
         return {}
@@ -86,6 +88,9 @@ def native_paths(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
         if kernels.HAS_BF16_PRODUCT:
             bf16 = [w.to(torch.bfloat16) for w in weights]
             found["native bf16 vectors"] = [lambda w=w: kernels.linear(xb, w, None) for w in bf16]
+    f32_packs = [kernels.tile_pack(w) for w in weights]
+    if f32_packs[0].dim() == 3:
+        found["native f32 packed"] = [lambda p=p: kernels.linear(x, p, None) for p in f32_packs]
     tiles = [kernels.tile_pack(w.to(torch.bfloat16)) for w in weights]
     if tiles[0].dim() == 5:
         found["native bf16 packed"] = [lambda t=t: kernels.linear(xb, t, None) for t in tiles]

@@ -93,6 +93,15 @@ def runs_packed_bf16(model) -> bool:
     return any(w is not None and w.dim() == 5 for w in weights)
 
 
+def runs_packed_f32(model) -> bool:
+    """Whether the model's float32 weights run packed for AVX-512 vectors (NativeLinear.native_weight:
+    [N/16, K, 16])."""
+    import torch
+
+    weights = (getattr(m, "native_weight", None) for m in model.modules())
+    return any(w is not None and w.dim() == 3 and w.dtype == torch.float32 for w in weights)
+
+
 def describe_cpu_path(model) -> str:
     """The start-up log's line: which path the layers run, and what the CPU offers."""
     import torch
@@ -104,6 +113,8 @@ def describe_cpu_path(model) -> str:
     dtypes = "float32 and bfloat16" if kernels.HAS_BF16_PRODUCT else "float32"
     tiled = f"; bfloat16 weights packed for {kernels.bf16_packed_products()}, their products native at every " \
         "row count" if runs_packed_bf16(model) else ""
+    if runs_packed_f32(model):
+        tiled = "; float32 weights packed for AVX-512 vectors, their products native at every row count"
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
             f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}"
             f"{describe_w8a8(model, kernels)}; CPU features: {features}")

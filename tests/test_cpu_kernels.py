@@ -108,11 +108,62 @@ def test_the_tile_product_matches_torch_and_no_row_depends_on_the_batch(rows, ou
         kernels.set_native_float_products(True)
 
 
+PACKED_F32 = kernels is not None and kernels.HAS_F32_PACKED
+
+
+@pytest.mark.skipif(not PACKED_F32, reason="no packed float32 product here (AVX-512)")
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 40)])   # whole groups of 4 blocks, and 3
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_packed_float32_product_matches_torch_and_no_row_depends_on_the_batch(rows, out_features, in_features,
+                                                                                  bias):
+    """The product of a packed float32 weight (AVX-512 vectors, each column's inputs summed in order):
+    torch's product within float32 rounding, and each row bit for bit what it is alone, at every row
+    count (above 64 rows too, where unpacked weights go through torch's product)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = kernels.tile_pack(weight)
+    assert packed.shape == (out_features // 16, in_features, 16)
+    assert torch.equal(kernels.tile_unpack(packed), weight)
+    y = kernels.linear(x, packed, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
+    alone = torch.cat([kernels.linear(x[i:i + 1], packed, b) for i in range(rows)])
+    assert torch.equal(y, alone)
+    assert kernels.linear(x.view(1, rows, in_features), packed, b).shape == (1, rows, out_features)
+    kernels.set_native_float_products(False)          # benchmarks' switch: torch's product of the same matrix
+    try:
+        torch.testing.assert_close(kernels.linear(x, packed, b), F.linear(x, weight, b))
+    finally:
+        kernels.set_native_float_products(True)
+
+
+@pytest.mark.skipif(not PACKED_F32, reason="no packed float32 product here (AVX-512)")
+def test_float32_weights_of_whole_blocks_pack_and_a_packed_one_refuses_other_inputs():
+    gen = torch.Generator().manual_seed(0)
+    kept = torch.randn(40, 64, generator=gen)                         # 40 columns: not whole blocks of 16
+    assert kernels.tile_pack(kept).data_ptr() == kept.data_ptr()
+    packed = kernels.tile_pack(torch.randn(48, 64, generator=gen))
+    with pytest.raises(RuntimeError, match="packed float32 weight takes float32 rows of 64"):
+        kernels.linear(torch.randn(2, 64).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="packed float32 weight takes float32 rows of 64"):
+        kernels.linear(torch.randn(2, 32), packed, None)
+    with pytest.raises(RuntimeError, match="bias of a packed float32 weight is 48 float32"):
+        kernels.linear(torch.randn(2, 64), packed, torch.zeros(47))
+    kernels.set_native_float_products(False)          # loaded with the native products off: nothing packs
+    try:
+        assert kernels.tile_pack(torch.randn(48, 64, generator=gen)).dim() == 2
+    finally:
+        kernels.set_native_float_products(True)
+
+
 @pytest.mark.skipif(not PACKED_BF16, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
 def test_only_bf16_weights_of_whole_tiles_pack_and_a_packed_weight_refuses_other_inputs():
     gen = torch.Generator().manual_seed(0)
-    for weight in (torch.randn(48, 64, generator=gen),                 # float32
-                   torch.randn(40, 64, generator=gen).bfloat16(),      # 40 columns: not whole tiles of 16
+    for weight in (torch.randn(40, 64, generator=gen).bfloat16(),      # 40 columns: not whole tiles of 16
                    torch.randn(48, 48, generator=gen).bfloat16()):     # 48 inputs: not whole blocks of 32
         kept = kernels.tile_pack(weight)
         assert kept.shape == weight.shape and kept.data_ptr() == weight.data_ptr()
@@ -155,6 +206,13 @@ def test_moe_experts_match_the_grouped_torch_path(dtype, tokens, held, hidden):
         assert torch.equal(kernels.tile_unpack(gate_up[1]), experts.gate_up_proj[1])
         tiled = kernels.moe_experts(x, expert_ids, weights, gate_up, down, experts.first)
         torch.testing.assert_close(tiled, reference, **tolerance(dtype))
+    if dtype == torch.float32 and PACKED_F32:        # each expert packed for the vectors (48 outputs too)
+        gate_up, down = kernels.tile_pack(experts.gate_up_proj), kernels.tile_pack(experts.down_proj)
+        count = held[1] - held[0]
+        assert gate_up.shape == (count, 4, hidden, 16) and down.shape == (count, hidden // 16, 32, 16)
+        assert torch.equal(kernels.tile_unpack(gate_up[1]), experts.gate_up_proj[1])
+        packed = kernels.moe_experts(x, expert_ids, weights, gate_up, down, experts.first)
+        torch.testing.assert_close(packed, reference, **tolerance(dtype))
     if held == (2, 5):             # rows routed to no held expert stay 0
         unrouted = ((expert_ids < 2) | (expert_ids >= 5)).all(dim=-1)
         assert torch.all(native[unrouted] == 0)

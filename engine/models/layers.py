@@ -90,9 +90,10 @@ class NativeLinear(nn.Linear):
 
     @functools.cached_property
     def native_weight(self) -> torch.Tensor:
-        """The weight as the kernels' `linear` reads it fastest: packed once for the tile product
-        where it runs (bf16 on a CPU with amx_bf16 or avx512_bf16; devices/cpu_kernels.cpp: tile_pack), else the
-        weight itself. `weight` stays as loaded, for everything else that reads it."""
+        """The weight as the kernels' `linear` reads it fastest: packed once for the vector or tile
+        products where they run (bf16 on a CPU with amx_bf16 or avx512_bf16, float32 with avx512f;
+        devices/cpu_kernels.cpp: tile_pack), else the weight itself. `weight` stays as loaded, for
+        everything else that reads it."""
         return self.kernels.tile_pack(self.weight) if self.kernels is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ class StackedExperts(nn.Module):
     @functools.cached_property
     def native_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) as the kernels' moe_experts reads them fastest: each expert's matrix packed
-        for the AMX tile product where it runs (NativeLinear.native_weight), else the stacks as held."""
+        for the vector or tile products where they run (NativeLinear.native_weight), else the stacks as held."""
         return self.kernels.tile_pack(self.gate_up_proj), self.kernels.tile_pack(self.down_proj)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
