@@ -2,7 +2,7 @@
 native kernels with int8 weights (weight-only, and w8a8_int8), and the native kernels with one part
 undone for a side-by-side measure of it (float products through torch instead of the native
 few-row product; the native float products fetching no weight block ahead; attention fetching no
-key or value row ahead; a dense model: its
+key or value row ahead; the weights as loaded instead of packed; a dense model: its
 layers called one by one instead of in one call; an MoE model: its experts through the grouped
 Python loop instead of one call); for decodes, verify-like runs and prompts.
 
@@ -36,6 +36,7 @@ PER_LAYER = "native-per-layer"              # dense models
 TORCH_PRODUCTS = "native-torch-products"    # float products through torch (kernels.set_native_float_products)
 NO_PREFETCH = "native-no-prefetch"          # float products fetching no block ahead (kernels.set_float_prefetch)
 NO_KV_PREFETCH = "native-no-kv-prefetch"    # attention fetching no key or value row ahead (kernels.set_kv_prefetch)
+UNPACKED = "native-unpacked"                # weights as loaded, not packed (few_row_product; torch's above 64 rows)
 DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q)
 PROMPTS = [64, 512]
 
@@ -57,7 +58,22 @@ def load(path: str, dtype: str, name: str):
             experts.forward = experts.forward_grouped
     if name == PER_LAYER:
         model.native_stack = None
+    if name == UNPACKED:
+        unpack(model)
     return model
+
+
+def unpack(model) -> None:
+    """The native kernels on the weights as loaded: every packed cache replaced by the weight itself
+    (what ran before tile_pack packed this dtype), the layer lists rebuilt from them."""
+    from engine.models.layers import NativeLinear
+    for module in model.modules():
+        if isinstance(module, NativeLinear):
+            module.__dict__["native_weight"] = module.weight
+        for cached in ("native_weights", "native_stack"):
+            module.__dict__.pop(cached, None)
+    weight = model.lm_head_weight()
+    model.__dict__["native_lm_head_of"] = (weight, weight)
 
 
 def measure(run, model, name: str) -> float:
@@ -123,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, NO_KV_PREFETCH,
+    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, NO_KV_PREFETCH, UNPACKED,
                            EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
     if args.paths:
         unknown = set(args.paths.split(",")) - set(paths)
