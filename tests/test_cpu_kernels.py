@@ -384,6 +384,9 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
         packed = [m for m in linears if type(m) is NativeLinear and m.native_weight.dim() == 5]
         assert bool(packed) == (choice == "native" and dtype == torch.bfloat16 and PACKED_BF16)
         assert (f"packed for {kernels.bf16_packed_products()}" in described) == bool(packed)
+        packed_f32 = [m for m in linears if type(m) is NativeLinear and m.native_weight.dim() == 3]
+        assert bool(packed_f32) == (choice == "native" and dtype == torch.float32 and PACKED_F32)
+        assert ("float32 weights packed for AVX-512 vectors" in described) == bool(packed_f32)
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)
         steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]
