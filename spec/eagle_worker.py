@@ -64,7 +64,7 @@ class EagleWorker(SpecWorker):
         native = self.draft_kv is not None and self.head.native_chain_parts(self.draft_kv) is not None
         return (super().describe() + (f", token map of {hot.numel()} / {self.target.vocab_size} tokens"
                                       if hot is not None else "")
-                + (", greedy chains in one native call" if native and not self.graphs else ""))
+                + (", greedy chains and extends in one native call each" if native and not self.graphs else ""))
 
     def draft_kv_layout(self) -> tuple[int, int, int]:
         return self.head.kv_layout()

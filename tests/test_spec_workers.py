@@ -476,7 +476,8 @@ async def test_greedy_is_lossless_through_rank_processes(models, rank_reference,
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 def test_the_log_says_when_eagle_chains_run_in_one_native_call(models, kernels, caplog):
-    """LlamaForCausalLMEagle.draft_chain where the kernels run the whole head; step by step without them."""
+    """LlamaForCausalLMEagle.draft_chain and extend_native where the kernels run the whole head; the
+    modules from Python without them."""
     from devices import cpu_native
     args = parse_args(BASE_FLAGS + spec_flags(models, "dense", "eagle") + ["--cpu-kernels", kernels])
     device = CpuDevice()
@@ -487,4 +488,4 @@ def test_the_log_says_when_eagle_chains_run_in_one_native_call(models, kernels, 
         device.close()
     native = kernels == "auto" and cpu_native.cpu_kernels("auto") is not None
     assert "speculation: eagle" in caplog.text
-    assert ("greedy chains in one native call" in caplog.text) == native
+    assert ("greedy chains and extends in one native call each" in caplog.text) == native
