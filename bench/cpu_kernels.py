@@ -2,7 +2,8 @@
 native kernels with int8 weights (weight-only, and w8a8_int8), and the native kernels with one part
 undone for a side-by-side measure of it (float products through torch instead of the native
 few-row product; the native float products fetching no weight block ahead; attention fetching no
-key or value row ahead; the weights as loaded instead of packed; a dense model: its
+key or value row ahead; the weights as loaded instead of packed; the packed products four rows at
+a time instead of 5-6 at once; a dense model: its
 layers called one by one instead of in one call; an MoE model: its experts through the grouped
 Python loop instead of one call); for decodes, verify-like runs and prompts.
 
@@ -37,7 +38,8 @@ TORCH_PRODUCTS = "native-torch-products"    # float products through torch (kern
 NO_PREFETCH = "native-no-prefetch"          # float products fetching no block ahead (kernels.set_float_prefetch)
 NO_KV_PREFETCH = "native-no-kv-prefetch"    # attention fetching no key or value row ahead (kernels.set_kv_prefetch)
 UNPACKED = "native-unpacked"                # weights as loaded, not packed (few_row_product; torch's above 64 rows)
-DECODE_CASES = [(1, 1), (1, 4), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q)
+FOUR_ROW_RUNS = "native-four-row-runs"      # float vector passes 4 rows at a time, not 5-6 at once (set_wide_row_runs)
+DECODE_CASES = [(1, 1), (1, 4), (1, 5), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q); 1 x 5: 4 drafts
 PROMPTS = [64, 512]
 
 
@@ -78,10 +80,11 @@ def unpack(model) -> None:
 
 def measure(run, model, name: str) -> float:
     """run(model), with the native float products off for TORCH_PRODUCTS, their fetching ahead off
-    for NO_PREFETCH and attention's off for NO_KV_PREFETCH (process-wide switches)."""
+    for NO_PREFETCH, attention's off for NO_KV_PREFETCH and the vector passes' runs of 5-6 rows off
+    for FOUR_ROW_RUNS (process-wide switches)."""
     kernels = getattr(model, "kernels", None)
     switch = {TORCH_PRODUCTS: "set_native_float_products", NO_PREFETCH: "set_float_prefetch",
-              NO_KV_PREFETCH: "set_kv_prefetch"}.get(name)
+              NO_KV_PREFETCH: "set_kv_prefetch", FOUR_ROW_RUNS: "set_wide_row_runs"}.get(name)
     if kernels is None or switch is None:
         return run(model)
     getattr(kernels, switch)(False)
@@ -139,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, NO_KV_PREFETCH, UNPACKED,
+    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, NO_KV_PREFETCH, UNPACKED, FOUR_ROW_RUNS,
                            EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
     if args.paths:
         unknown = set(args.paths.split(",")) - set(paths)

@@ -77,7 +77,7 @@ PACKED_BF16 = kernels is not None and kernels.bf16_packed_run()
 
 
 @pytest.mark.skipif(not PACKED_BF16, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 64)])   # whole groups of 4 tiles, and 3
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_tile_product_matches_torch_and_no_row_depends_on_the_batch(rows, out_features, in_features, bias):
@@ -112,7 +112,7 @@ PACKED_F32 = kernels is not None and kernels.HAS_F32_PACKED
 
 
 @pytest.mark.skipif(not PACKED_F32, reason="no packed float32 product here (AVX-512)")
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 40)])   # whole groups of 4 blocks, and 3
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_packed_float32_product_matches_torch_and_no_row_depends_on_the_batch(rows, out_features, in_features,
