@@ -690,9 +690,19 @@ def test_cpu_linear_times_every_path_at_each_shape():
 def test_cpu_kernels_times_each_path_on_each_case():
     result = cli("bench/cpu_kernels.py", "--steps", "7", "--rounds", "1", "--context", "16", timeout=300)
     assert result.returncode == 0, result.stderr
+    from bench import cpu_kernels
     rows = [line.split() for line in result.stdout.splitlines() if "tokens" in line or "prompt of" in line]
-    assert len(rows) == 8 and all(len(row) >= 5 for row in rows)
+    assert len(rows) == len(cpu_kernels.DECODE_CASES) + len(cpu_kernels.PROMPTS)
+    assert all(len(row) >= 5 for row in rows)
     assert all(float(value) > 0 for row in rows for value in row[-5:])      # 3 paths and 2 ratios, all measured
+
+
+def test_verify_rows_times_both_ways_and_finds_the_same_logits():
+    result = cli("bench/verify_rows.py", "--dtype", "float32", "--tokens", "1,5", "--forwards", "4", "--context", "16",
+                 timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("float32, 1 x ")]
+    assert len(lines) == 2 and all(line.endswith("same logits: True") for line in lines)
 
 
 def test_perplexity_scores_held_out_tokens_for_each_variant(tmp_path):
