@@ -79,16 +79,8 @@ def time_chains(head, rows: int, dtype: torch.dtype, args) -> tuple[float, float
     hidden, first = g[last], head.compute_logits(g[last]).argmax(-1)
     chain = (first, hidden, torch.full((rows,), args.context), runner.req_to_slot, runner.kv, args.steps)
     keep = torch.ones(rows, dtype=torch.bool)
-    ways = {"python": functools.partial(step_by_step, head, *chain),
-            "native": lambda: head.draft_chain(*chain, keep, float("-inf"))[0]}
-    same = torch.equal(ways["native"](), ways["python"]())
-    times = {name: [] for name in ways}
-    for _ in range(args.repeats):
-        for name, run in ways.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - t0) * 1e6 / args.steps)
-    return statistics.median(times["python"][5:]), statistics.median(times["native"][5:]), same
+    return time_both(functools.partial(step_by_step, head, *chain),
+                     lambda: head.draft_chain(*chain, keep, float("-inf"))[0], args.repeats, args.steps)
 
 
 @torch.inference_mode()
@@ -107,14 +99,19 @@ def time_extends(head, rows: int, dtype: torch.dtype, args) -> tuple[float, floa
     def from_python() -> torch.Tensor:
         return top_choice(head.compute_logits(head(ids, features, batch)[pick]), True, head.kernels)[0]
 
-    ways = {"python": from_python, "native": lambda: head.extend_native(ids, features, batch, pick)[1]}
-    same = torch.equal(ways["native"](), ways["python"]())
-    times = {name: [] for name in ways}
-    for _ in range(args.repeats):
-        for name, run in ways.items():
+    return time_both(from_python, lambda: head.extend_native(ids, features, batch, pick)[1], args.repeats)
+
+
+def time_both(python, native, repeats: int, per: int = 1) -> tuple[float, float, bool]:
+    """(median µs / per of python(), of native(), whether both gave the same drafts), the two alternating
+    --repeats times (the first five of each left out)."""
+    same = torch.equal(native(), python())
+    times: dict[str, list[float]] = {"python": [], "native": []}
+    for _ in range(repeats):
+        for name, run in (("python", python), ("native", native)):
             t0 = time.perf_counter()
             run()
-            times[name].append((time.perf_counter() - t0) * 1e6)
+            times[name].append((time.perf_counter() - t0) * 1e6 / per)
     return statistics.median(times["python"][5:]), statistics.median(times["native"][5:]), same
 
 

@@ -1063,6 +1063,25 @@ void f32_vector_pass(const float* x, int64_t m, int64_t k_dim, const float* w, i
 constexpr bool HAS_F32_PACKED = false;
 #endif
 
+#if defined(__AVX512F__)
+// blocked_product's store for the packed float products: the float sums c of rows m0 .. m0 + m against
+// blocks first .. first + nb go to y [M, n_dim] (T: float32 or bf16), plus the bias, rounded to T once.
+template <typename T>
+auto float_sums_store(T* y, const T* bias, int64_t n_dim) {
+  return [=](int64_t m0, int64_t m, int64_t first, int64_t nb, const float* c) {
+    const int64_t n0 = first * TILE_COLS, width = nb * TILE_COLS;
+    for (int64_t r = 0; r < m; ++r) {
+      T* out = y + (m0 + r) * n_dim + n0;
+      const float* sums = c + r * TILE_GROUP * TILE_COLS;
+      for (int64_t j = 0; j < width; j += 16) {      // width: whole blocks of 16
+        const __m512 v = _mm512_loadu_ps(sums + j);
+        store_ps(out + j, bias ? _mm512_add_ps(v, load_ps(bias + n0 + j)) : v);
+      }
+    }
+  };
+}
+#endif
+
 // Whether bf16 weights run packed (tile_pack): on AMX tiles where built and granted, else on
 // AVX512-BF16 vectors where built.
 bool bf16_tiles_run() { return HAS_TILE_PRODUCT && tiles_granted(); }
@@ -1089,17 +1108,7 @@ at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const 
 #endif
         bf16_vector_pass<decltype(blocks)::value>(xp + m0 * k_dim, m, k_dim, wp, first, c);
       },
-      [&](int64_t m0, int64_t m, int64_t first, int64_t nb, const float* c) {
-        const int64_t n0 = first * TILE_COLS, width = nb * TILE_COLS;
-        for (int64_t r = 0; r < m; ++r) {
-          c10::BFloat16* out = yp + (m0 + r) * n_dim + n0;
-          const float* sums = c + r * TILE_GROUP * TILE_COLS;
-          for (int64_t j = 0; j < width; j += 16) {      // width: whole blocks of 16
-            const __m512 v = _mm512_loadu_ps(sums + j);
-            store_ps(out + j, bp ? _mm512_add_ps(v, load_ps(bp + n0 + j)) : v);
-          }
-        }
-      });
+      float_sums_store(yp, bp, n_dim));
   return ops.y.view(ops.out_shape);
 #else
   TORCH_CHECK(false, "tile_product: built without AVX512-BF16");
@@ -1120,17 +1129,7 @@ at::Tensor f32_packed_product(const at::Tensor& x_in, const at::Tensor& packed, 
       [&](auto blocks, int64_t m0, int64_t m, int64_t first, float* c) {
         f32_vector_pass<decltype(blocks)::value>(xp + m0 * k_dim, m, k_dim, wp, first, c);
       },
-      [&](int64_t m0, int64_t m, int64_t first, int64_t nb, const float* c) {
-        const int64_t n0 = first * TILE_COLS, width = nb * TILE_COLS;
-        for (int64_t r = 0; r < m; ++r) {
-          float* out = yp + (m0 + r) * n_dim + n0;
-          const float* sums = c + r * TILE_GROUP * TILE_COLS;
-          for (int64_t j = 0; j < width; j += 16) {      // width: whole blocks of 16
-            const __m512 v = _mm512_loadu_ps(sums + j);
-            _mm512_storeu_ps(out + j, bp ? _mm512_add_ps(v, _mm512_loadu_ps(bp + n0 + j)) : v);
-          }
-        }
-      });
+      float_sums_store(yp, bp, n_dim));
   return ops.y.view(ops.out_shape);
 #else
   TORCH_CHECK(false, "f32_packed_product: built without AVX-512");

@@ -86,20 +86,15 @@ def auto_cpu_dtype(choice: str = "auto", quantization: str | None = None):
     return torch.bfloat16 if kernels is not None and kernels.HAS_BF16_PRODUCT else torch.float32
 
 
-def runs_packed_bf16(model) -> bool:
-    """Whether the model's bf16 weights run packed (NativeLinear.native_weight): on AMX tiles, or
-    AVX512-BF16 vectors where the CPU has no AMX (kernels.bf16_packed_products)."""
-    weights = (getattr(m, "native_weight", None) for m in model.modules())
-    return any(w is not None and w.dim() == 5 for w in weights)
-
-
-def runs_packed_f32(model) -> bool:
-    """Whether the model's float32 weights run packed for AVX-512 vectors (NativeLinear.native_weight:
-    [N/16, K, 16])."""
+def runs_packed(model, dtype) -> bool:
+    """Whether the model's weights of `dtype` run packed (NativeLinear.native_weight): bf16 as
+    [N/16, K/32, 16, 16, 2] for AMX tiles, or AVX512-BF16 vectors where the CPU has no AMX
+    (kernels.bf16_packed_products); float32 as [N/16, K, 16] for AVX-512 vectors."""
     import torch
 
+    packed_dims = {torch.bfloat16: 5, torch.float32: 3}[dtype]
     weights = (getattr(m, "native_weight", None) for m in model.modules())
-    return any(w is not None and w.dim() == 3 and w.dtype == torch.float32 for w in weights)
+    return any(w is not None and w.dim() == packed_dims and w.dtype == dtype for w in weights)
 
 
 def describe_cpu_path(model) -> str:
@@ -111,10 +106,9 @@ def describe_cpu_path(model) -> str:
     if kernels is None:
         return f"pure torch; torch {torch.__version__} products; CPU features: {features}"
     dtypes = "float32 and bfloat16" if kernels.HAS_BF16_PRODUCT else "float32"
-    tiled = f"; bfloat16 weights packed for {kernels.bf16_packed_products()}, their products native at every " \
-        "row count" if runs_packed_bf16(model) else ""
-    if runs_packed_f32(model):
-        tiled = "; float32 weights packed for AVX-512 vectors, their products native at every row count"
+    packed = (f"bfloat16 weights packed for {kernels.bf16_packed_products()}" if runs_packed(model, torch.bfloat16)
+              else "float32 weights packed for AVX-512 vectors" if runs_packed(model, torch.float32) else "")
+    tiled = f"; {packed}, their products native at every row count" if packed else ""
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
             f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}"
             f"{describe_w8a8(model, kernels)}; CPU features: {features}")

@@ -267,14 +267,14 @@ def draft_quantization(args: "ServerArgs", target: Target) -> str | None:
     tokens per step; README "Performance") but do not pack its bf16 weights (there the bf16 head
     measured faster: 1.14x decode tok/s at one request, 1.31x output tok/s at 16), else
     --quantization."""
-    from devices.cpu_native import runs_packed_bf16
+    from devices.cpu_native import runs_packed
 
     choice = args.speculative_draft_quantization
     if choice == "auto":
         kernels = getattr(target.model, "kernels", None)
         if kernels is not None and kernels.w8a8_fast_run():
             return "w8a8_int8"
-        return "int8" if kernels is not None and not runs_packed_bf16(target.model) else args.quantization
+        return "int8" if kernels is not None and not runs_packed(target.model, torch.bfloat16) else args.quantization
     return None if choice == "none" else choice
 
 

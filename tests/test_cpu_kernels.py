@@ -76,6 +76,21 @@ def test_the_native_product_matches_torch_and_does_not_depend_on_the_batch(rows,
 PACKED_BF16 = kernels is not None and kernels.bf16_packed_run()
 
 
+def check_rows_alone_and_products_off(x, weight, packed, b, y) -> None:
+    """What every packed product owes: each row of y = linear(x, packed, b) bit for bit what it is
+    alone, x's leading dimensions kept, and with the native products off torch's product of the same
+    matrix."""
+    rows, in_features = x.shape
+    alone = torch.cat([kernels.linear(x[i:i + 1], packed, b) for i in range(rows)])
+    assert torch.equal(y, alone)
+    assert kernels.linear(x.view(1, rows, in_features), packed, b).shape == (1, rows, weight.shape[0])
+    kernels.set_native_float_products(False)          # benchmarks' switch: torch's product of the same matrix
+    try:
+        torch.testing.assert_close(kernels.linear(x, packed, b), F.linear(x, weight, b))
+    finally:
+        kernels.set_native_float_products(True)
+
+
 @pytest.mark.skipif(not PACKED_BF16, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 64)])   # whole groups of 4 tiles, and 3
@@ -98,14 +113,7 @@ def test_the_tile_product_matches_torch_and_no_row_depends_on_the_batch(rows, ou
     # rounded to the nearest bf16: off by at most half a step of exact's binade (and the float32 sums' slack)
     half_step = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=2.0 ** -100))) - 8)
     assert ((y.float() - exact).abs() <= half_step + 1e-5 * exact.abs() + 1e-6).all()
-    alone = torch.cat([kernels.linear(x[i:i + 1], packed, b) for i in range(rows)])
-    assert torch.equal(y, alone)
-    assert kernels.linear(x.view(1, rows, in_features), packed, b).shape == (1, rows, out_features)
-    kernels.set_native_float_products(False)          # benchmarks' switch: torch's product of the same matrix
-    try:
-        torch.testing.assert_close(kernels.linear(x, packed, b), F.linear(x, weight, b))
-    finally:
-        kernels.set_native_float_products(True)
+    check_rows_alone_and_products_off(x, weight, packed, b, y)
 
 
 PACKED_F32 = kernels is not None and kernels.HAS_F32_PACKED
@@ -131,14 +139,7 @@ def test_the_packed_float32_product_matches_torch_and_no_row_depends_on_the_batc
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
     torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
-    alone = torch.cat([kernels.linear(x[i:i + 1], packed, b) for i in range(rows)])
-    assert torch.equal(y, alone)
-    assert kernels.linear(x.view(1, rows, in_features), packed, b).shape == (1, rows, out_features)
-    kernels.set_native_float_products(False)          # benchmarks' switch: torch's product of the same matrix
-    try:
-        torch.testing.assert_close(kernels.linear(x, packed, b), F.linear(x, weight, b))
-    finally:
-        kernels.set_native_float_products(True)
+    check_rows_alone_and_products_off(x, weight, packed, b, y)
 
 
 @pytest.mark.skipif(not PACKED_F32, reason="no packed float32 product here (AVX-512)")
