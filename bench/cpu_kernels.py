@@ -39,6 +39,7 @@ NO_PREFETCH = "native-no-prefetch"          # float products fetching no block a
 NO_KV_PREFETCH = "native-no-kv-prefetch"    # attention fetching no key or value row ahead (kernels.set_kv_prefetch)
 UNPACKED = "native-unpacked"                # weights as loaded, not packed (few_row_product; torch's above 64 rows)
 FOUR_ROW_RUNS = "native-four-row-runs"      # float vector passes 4 rows at a time, not 5-6 at once (set_wide_row_runs)
+REGIONS = "native-regions"                  # a parallel region per kernel loop, not one a layer stack (set_teams)
 DECODE_CASES = [(1, 1), (1, 4), (1, 5), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q); 1 x 5: 4 drafts
 PROMPTS = [64, 512]
 
@@ -80,11 +81,11 @@ def unpack(model) -> None:
 
 def measure(run, model, name: str) -> float:
     """run(model), with the native float products off for TORCH_PRODUCTS, their fetching ahead off
-    for NO_PREFETCH, attention's off for NO_KV_PREFETCH and the vector passes' runs of 5-6 rows off
-    for FOUR_ROW_RUNS (process-wide switches)."""
+    for NO_PREFETCH, attention's off for NO_KV_PREFETCH, the vector passes' runs of 5-6 rows off
+    for FOUR_ROW_RUNS and the stack's one parallel region off for REGIONS (process-wide switches)."""
     kernels = getattr(model, "kernels", None)
     switch = {TORCH_PRODUCTS: "set_native_float_products", NO_PREFETCH: "set_float_prefetch",
-              NO_KV_PREFETCH: "set_kv_prefetch", FOUR_ROW_RUNS: "set_wide_row_runs"}.get(name)
+              NO_KV_PREFETCH: "set_kv_prefetch", FOUR_ROW_RUNS: "set_wide_row_runs", REGIONS: "set_teams"}.get(name)
     if kernels is None or switch is None:
         return run(model)
     getattr(kernels, switch)(False)
@@ -142,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, NO_KV_PREFETCH, UNPACKED, FOUR_ROW_RUNS,
+    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, NO_KV_PREFETCH, UNPACKED, FOUR_ROW_RUNS, REGIONS,
                            EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
     if args.paths:
         unknown = set(args.paths.split(",")) - set(paths)

@@ -1,10 +1,13 @@
-"""A verify forward's rows read at once or four at a time, in one process: the native kernels' float vector
-passes take a run of 5 or 6 rows (a verify of 4-5 drafts and its bonus token) in one pass where their sums
-fit the vector registers (devices/cpu_kernels.cpp: in_row_runs); `set_wide_row_runs(False)` reads them four
-at a time. The two alternate forward by forward on the same model and cache, so a noisy neighbour hits
-both alike; also checks that both give the same logits.
+"""A native kernels' switch on and off in one process, forward by forward. `--switch wide_row_runs` (the
+default): a verify forward's rows read at once or four at a time (the float vector passes take a run of 5
+or 6 rows, a verify of 4-5 drafts and its bonus token, in one pass where their sums fit the vector
+registers: devices/cpu_kernels.cpp in_row_runs; `set_wide_row_runs(False)` reads them four at a time).
+`--switch teams`: the layer stack in one parallel region, or a region per kernel loop (`set_teams(False)`).
+The two alternate forward by forward on the same model and cache, so a noisy neighbour hits both alike;
+also checks that both give the same logits.
 
     python bench/verify_rows.py --threads 2 [--dtype bfloat16,float32] [--quantization w8a8_int8]
+    python bench/verify_rows.py --switch teams --seqs 1,16 --tokens 1,5
 """
 from __future__ import annotations
 
@@ -22,24 +25,28 @@ from engine.models.loader import load_model  # noqa: E402
 from engine.models.testing import PagedRunner  # noqa: E402
 
 
+SWITCHES = {"wide_row_runs": ("at once", "four rows at a time"), "teams": ("in one region", "a region a loop")}
+
+
 @torch.inference_mode()
-def compare(model, q: int, context: int, forwards: int) -> tuple[float, float, bool]:
-    """(ms a forward with wide runs, ms four rows at a time, same logits) for one sequence adding q tokens."""
-    kernels = model.kernels
-    runner = PagedRunner(model.kv_layout(), model.embed_tokens.weight.dtype, max_context=context + q + 8)
-    model(*runner.step([(0, list(range(1, context + 1)))]))
-    ids, batch = runner.step([(0, [5] * q)])
+def compare(model, switch: str, seqs: int, q: int, context: int, forwards: int) -> tuple[float, float, bool]:
+    """(ms a forward with the switch on, ms with it off, same logits) for `seqs` sequences adding q tokens each."""
+    turn = getattr(model.kernels, f"set_{switch}")
+    runner = PagedRunner(model.kv_layout(), model.embed_tokens.weight.dtype, max_requests=seqs,
+                         max_context=context + q + 8)
+    model(*runner.step([(s, list(range(1, context + 1))) for s in range(seqs)]))
+    ids, batch = runner.step([(s, [5] * q) for s in range(seqs)])
     times: dict[bool, list[float]] = {True: [], False: []}
     logits = {}
     try:
         for i in range(forwards):
-            for wide in ((True, False) if i % 2 else (False, True)):
-                kernels.set_wide_row_runs(wide)
+            for on in ((True, False) if i % 2 else (False, True)):
+                turn(on)
                 start = time.perf_counter()
-                logits[wide] = model.compute_logits(model(ids, batch).hidden)
-                times[wide].append(time.perf_counter() - start)
+                logits[on] = model.compute_logits(model(ids, batch).hidden)
+                times[on].append(time.perf_counter() - start)
     finally:
-        kernels.set_wide_row_runs(True)
+        turn(True)
     return (statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3,
             torch.equal(logits[True], logits[False]))
 
@@ -50,6 +57,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16,float32", help="comma-separated")
     parser.add_argument("--quantization", default=None, choices=["w8a8_int8"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--switch", default="wide_row_runs", choices=sorted(SWITCHES))
+    parser.add_argument("--seqs", default="1", help="comma-separated batch sizes")
     parser.add_argument("--tokens", default="1,5,6", help="comma-separated verify sizes")
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--forwards", type=int, default=600)
@@ -57,10 +66,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for dtype in args.dtype.split(","):
         model = load_model(args.model, dtype, "cpu", cpu_kernels="native", quantization=args.quantization)[0]
-        for q in (int(t) for t in args.tokens.split(",")):
-            wide, four, same = compare(model, q, args.context, args.forwards)
-            print(f"{dtype}{' ' + args.quantization if args.quantization else ''}, 1 x {q}: {wide:.3f} ms at once, "
-                  f"{four:.3f} ms four rows at a time ({wide / four:.3f}x); same logits: {same}", flush=True)
+        on_words, off_words = SWITCHES[args.switch]
+        for seqs in (int(b) for b in args.seqs.split(",")):
+            for q in (int(t) for t in args.tokens.split(",")):
+                on, off, same = compare(model, args.switch, seqs, q, args.context, max(2, args.forwards // seqs))
+                print(f"{dtype}{' ' + args.quantization if args.quantization else ''}, {seqs} x {q}: {on:.3f} ms "
+                      f"{on_words}, {off:.3f} ms {off_words} ({on / off:.3f}x); same logits: {same}", flush=True)
 
 
 if __name__ == "__main__":

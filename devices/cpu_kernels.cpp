@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -67,6 +68,53 @@ struct FlushSubnormals {
   FlushSubnormals() { _mm_setcsr(saved | 0x8040); }
   ~FlushSubnormals() { _mm_setcsr(saved); }
 };
+
+// The threads of one parallel region opened for a whole layer stack (dense_layers), instead of one
+// region for each kernel's loop. A forward at a few rows opened some 40 regions, each a fork and a
+// join of a few microseconds of work, and between them one thread ran the host code (tensors
+// allocated, operators dispatched) while the other spun: in a 1 x 1 bf16 forward (perf, an AMD EPYC)
+// the second thread did kernel work 36% of its time and spun in libgomp for most of the rest. In a
+// team every thread runs the same host code on buffers allocated before the region, and each loop
+// is the thread's share of the range followed by a barrier.
+struct Team {
+  int rank, size;
+  std::atomic<bool>* failed;        // a share threw: later loops run nothing (see spread)
+  std::exception_ptr* error;        // the first exception, rethrown after the region
+};
+thread_local const Team* current_team = nullptr;
+
+// Off: dense_layers opens a region per loop, as before teams (benchmarks and tests measure both).
+std::atomic<bool> teams_enabled{true};
+
+void set_teams(bool enabled) { teams_enabled = enabled; }
+
+std::atomic<int64_t> team_stacks{0};      // stacks run in a team since the module loaded (tests)
+int64_t team_stacks_run() { return team_stacks.load(); }
+
+// f over [begin, end) in parts. Outside a team: at::parallel_for. In one: this thread's part, split as
+// at::parallel_for splits (min(threads, ceil(n / grain)) contiguous parts; a range of grain or less
+// is rank 0's alone), then a barrier, after which every thread sees every part written. Each loop's
+// parts are independent (rows, column blocks, (sequence, kv head) jobs), so the values are the same
+// however the range is split. An exception in a part is kept, not thrown: every thread must reach
+// every barrier, so the team runs on, each later loop skipped, and the region's owner rethrows it.
+template <typename F>
+void spread(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const Team* team = current_team;
+  if (team == nullptr) return at::parallel_for(begin, end, grain, f);
+  const int64_t n = end - begin;
+  if (n > 0 && !team->failed->load()) {
+    const int64_t parts = std::min<int64_t>(team->size, (n + grain - 1) / std::max<int64_t>(grain, 1));
+    const int64_t chunk = (n + parts - 1) / parts, from = begin + team->rank * chunk;
+    if (from < end) {
+      try {
+        f(from, std::min(end, from + chunk));
+      } catch (...) {
+        if (!team->failed->exchange(true)) *team->error = std::current_exception();
+      }
+    }
+  }
+#pragma omp barrier
+}
 
 // e^x to about 1 ulp for x in [-87, 88] (clamped there): Cephes' range reduction and polynomial,
 // written so that the compiler vectorizes a loop of it (libm's expf is a call per element, and was
@@ -174,18 +222,51 @@ _Pragma("omp simd reduction(+ : sum)")
   }
 }
 
+// The row loops of rms_norm, add_rms_norm and silu_mul on raw rows (in a team: this thread's rows).
+template <typename T>
+void rms_norm_into(const T* x, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
+  spread(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_rows(x + r * width, weight, out + r * width, width, eps);
+  });
+}
+
+template <typename T>
+void add_rms_norm_into(const T* x, const T* delta, const T* weight, T* h, T* out, int64_t rows, int64_t width,
+                       float eps) {
+  spread(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t j = 0; j < width; ++j) h[r * width + j] = round_to<T>(to_float(x[r * width + j]) + to_float(delta[r * width + j]));
+      rms_norm_rows(h + r * width, weight, out + r * width, width, eps);
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_into(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t inter) {
+  spread(0, rows, 8, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals flush;
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+_Pragma("omp simd")
+      for (int64_t j = 0; j < inter; ++j) {
+        const float gate = to_float(g[j]);
+        const T act = round_to<T>(gate / (1.f + fast_exp(-gate)));
+        o[j] = round_to<T>(to_float(act) * to_float(u[j]));
+      }
+    }
+  });
+}
+
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   const auto x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
   auto out = at::empty_like(x);
   const int64_t rows = x.size(0), width = x.size(1);
   TORCH_CHECK(weight.numel() == width && weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be [", width, "] of the input's dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    const auto* xp = x.data_ptr<scalar_t>();
-    const auto* wp = weight.contiguous().data_ptr<scalar_t>();
-    auto* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) rms_norm_rows(xp + r * width, wp, op + r * width, width, static_cast<float>(eps));
-    });
+    rms_norm_into(x.data_ptr<scalar_t>(), weight.contiguous().data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows,
+                  width, static_cast<float>(eps));
   });
   return out.view(x_in.sizes());
 }
@@ -201,17 +282,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
   const int64_t rows = x.size(0), width = x.size(1);
   TORCH_CHECK(weight.numel() == width && weight.scalar_type() == x.scalar_type(), "add_rms_norm: weight must be [", width, "] of the input's dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    const auto* xp = x.data_ptr<scalar_t>();
-    const auto* dp = delta.data_ptr<scalar_t>();
-    const auto* wp = weight.contiguous().data_ptr<scalar_t>();
-    auto* hp = h.data_ptr<scalar_t>();
-    auto* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t j = 0; j < width; ++j) hp[r * width + j] = round_to<scalar_t>(to_float(xp[r * width + j]) + to_float(dp[r * width + j]));
-        rms_norm_rows(hp + r * width, wp, op + r * width, width, static_cast<float>(eps));
-      }
-    });
+    add_rms_norm_into(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), weight.contiguous().data_ptr<scalar_t>(),
+                      h.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, width, static_cast<float>(eps));
   });
   return {h.view(x_in.sizes()), out.view(x_in.sizes())};
 }
@@ -223,23 +295,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) == 2 * inter, "silu_mul: the width must be even");
   auto out = at::empty({rows, inter}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
-    const auto* gp = gate_up.data_ptr<scalar_t>();
-    const int64_t stride = gate_up.stride(0);
-    auto* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      const FlushSubnormals flush;
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* g = gp + r * stride;
-        const scalar_t* u = g + inter;
-        scalar_t* o = op + r * inter;
-_Pragma("omp simd")
-        for (int64_t j = 0; j < inter; ++j) {
-          const float gate = to_float(g[j]);
-          const scalar_t act = round_to<scalar_t>(gate / (1.f + fast_exp(-gate)));
-          o[j] = round_to<scalar_t>(to_float(act) * to_float(u[j]));
-        }
-      }
-    });
+    silu_mul_into(gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.data_ptr<scalar_t>(), rows, inter);
   });
   return out;
 }
@@ -439,7 +495,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
                     const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
                     const at::Tensor& rows, const at::Tensor& table, const at::Tensor& rope,
                     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                    double norm_eps, double scale, at::Tensor& out) {
+                    double norm_eps, double scale, at::Tensor& out, float* queries) {
   const int64_t tokens = qkv.size(0), seqs = q_start.size(0), dim = heads.dim;
   const int64_t qkv_stride = qkv.stride(0), num_slots = k_cache.size(0), width = table.size(1);
   const int64_t table_stride = table.stride(0);
@@ -478,9 +534,9 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
 
   T* dst = out.data_ptr<T>();
 
-  // Pass 1: rotate the queries (kept in float32) and the new keys; write keys and values to the cache.
-  std::vector<float> queries(tokens * heads.q * dim);
-  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+  // Pass 1: rotate the queries (kept in float32, in `queries` [T, H, D]) and the new keys; write keys and
+  // values to the cache.
+  spread(0, tokens, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> key(dim);
     for (int64_t t = begin; t < end; ++t) {
       if (seq_of[t] < 0) {                         // a token no sequence owns: zeros out
@@ -489,7 +545,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
       }
       const T* row = src + t * qkv_stride;
       for (int64_t h = 0; h < heads.q; ++h) {
-        float* q = queries.data() + (t * heads.q + h) * dim;
+        float* q = queries + (t * heads.q + h) * dim;
         for (int64_t d = 0; d < dim; ++d) q[d] = to_float(row[h * dim + d]);
         if (qn) head_norm(q, qn, dim, eps);
         rotate(q, cos_sin + t * dim, dim);
@@ -515,7 +571,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
   // sharing the kv head) read each key and value row once. Query row r = i * group + g sees keys
   // 0 ..= position(i).
   const float softmax_scale = static_cast<float>(scale);
-  at::parallel_for(0, seqs * heads.kv, 1, [&](int64_t begin, int64_t end) {
+  spread(0, seqs * heads.kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     std::vector<int64_t> slots;
     std::vector<const float*> query;          // row r's query vector (token q_start + r / group, head r % group)
@@ -530,7 +586,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
       for (int64_t j = 0; j < keys; ++j) slots[j] = slot_at(b, j);
       query.resize(n_rows);
       for (int64_t r = 0; r < n_rows; ++r)
-        query[r] = queries.data() + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
+        query[r] = queries + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
       out_rows.resize(n_rows);
       for (int64_t r = 0; r < n_rows; ++r)
         out_rows[r] = dst + ((qs[b] + r / group) * heads.q + kv_head * group + r % group) * dim;
@@ -581,12 +637,11 @@ _Pragma("omp simd")
   });
 }
 
-// qkv [T, (H + 2 Hkv) * D] (the stacked projection's output); returns [T, H * D].
-at::Tensor attention(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& q_start, const at::Tensor& q_len,
-                     const at::Tensor& kv_len, const at::Tensor& rows, const at::Tensor& table,
-                     const at::Tensor& rope, const c10::optional<at::Tensor>& q_norm,
-                     const c10::optional<at::Tensor>& k_norm, double norm_eps, double scale) {
+// attention's arguments checked: qkv [T, (H + 2 Hkv) * D], the caches, lengths, table and rope.
+void check_attention(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_start,
+                     const at::Tensor& q_len, const at::Tensor& kv_len, const at::Tensor& rows,
+                     const at::Tensor& table, const at::Tensor& rope) {
   check_cpu_rows(qkv, "qkv");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "attention: qkv width ", qkv.size(1),
               " is not (", num_heads, " + 2 * ", num_kv_heads, ") * ", head_dim);
@@ -606,14 +661,24 @@ at::Tensor attention(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_he
   const int64_t seqs = rows.numel();
   const int64_t* rw = rows.data_ptr<int64_t>();
   for (int64_t b = 0; b < seqs; ++b) TORCH_CHECK(rw[b] >= 0 && rw[b] < table.size(0), "attention: row ", rw[b], " outside the table");
+}
+
+// qkv [T, (H + 2 Hkv) * D] (the stacked projection's output); returns [T, H * D].
+at::Tensor attention(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& q_start, const at::Tensor& q_len,
+                     const at::Tensor& kv_len, const at::Tensor& rows, const at::Tensor& table,
+                     const at::Tensor& rope, const c10::optional<at::Tensor>& q_norm,
+                     const c10::optional<at::Tensor>& k_norm, double norm_eps, double scale) {
+  check_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, q_start, q_len, kv_len, rows, table, rope);
   auto out = at::empty({qkv.size(0), num_heads * head_dim}, qkv.options());
+  auto queries = at::empty({qkv.size(0) * num_heads * head_dim}, qkv.options().dtype(at::kFloat));
   const Heads heads{num_heads, num_kv_heads, head_dim};
   c10::optional<at::Tensor> qn, kn;
   if (q_norm) qn = q_norm->contiguous();
   if (k_norm) kn = k_norm->contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "attention", [&] {
     attention_impl<scalar_t>(qkv, heads, k_cache, v_cache, q_start, q_len, kv_len, rows, table, rope, qn, kn,
-                             norm_eps, scale, out);
+                             norm_eps, scale, out, queries.data_ptr<float>());
   });
   return out;
 }
@@ -963,7 +1028,7 @@ void in_row_runs(int64_t m, const Run& run) {
 template <typename Sum, typename Pass, typename Store>
 void blocked_product(int64_t rows, int64_t n_blocks, bool tiles, const Pass& pass, const Store& store) {
   const int64_t groups = (n_blocks + TILE_GROUP - 1) / TILE_GROUP;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  spread(0, groups, 1, [&](int64_t begin, int64_t end) {
     alignas(64) Sum c[TILE_ROWS * TILE_GROUP * TILE_COLS];
     for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
       const int64_t m = std::min(TILE_ROWS, rows - m0);
@@ -1090,15 +1155,12 @@ std::string bf16_packed_products() {
   return bf16_tiles_run() ? "AMX tiles" : HAS_BF16_PRODUCT ? "AVX512-BF16 vectors" : "";
 }
 
-at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+// y [rows, N] = x [rows, K] . W (+ bias) for a bf16 weight in tile_product's packed form, on raw rows.
+void tile_product_into(const c10::BFloat16* xp, int64_t rows, const at::Tensor& packed, const c10::BFloat16* bp,
+                       c10::BFloat16* yp) {
 #if defined(__AVX512BF16__)
   const int64_t n_blocks = packed.size(0), k_dim = packed.size(1) * 2 * BF16_PAIRS, n_dim = n_blocks * TILE_COLS;
-  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
-  const int64_t rows = ops.x.size(0);
-  const auto* xp = ops.x.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* bp = bias ? ops.bias.data_ptr<c10::BFloat16>() : nullptr;
-  auto* yp = ops.y.data_ptr<c10::BFloat16>();
   const bool tiles = bf16_tiles_run();
   blocked_product<float>(
       rows, n_blocks, tiles,
@@ -1109,32 +1171,41 @@ at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const 
         bf16_vector_pass<decltype(blocks)::value>(xp + m0 * k_dim, m, k_dim, wp, first, c);
       },
       float_sums_store(yp, bp, n_dim));
-  return ops.y.view(ops.out_shape);
 #else
   TORCH_CHECK(false, "tile_product: built without AVX512-BF16");
-  return x_in;
 #endif
 }
 
-at::Tensor f32_packed_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const int64_t k_dim = packed.size(1) * 32, n_dim = packed.size(0) * TILE_COLS;
+  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
+  tile_product_into(ops.x.data_ptr<c10::BFloat16>(), ops.x.size(0), packed,
+                    bias ? ops.bias.data_ptr<c10::BFloat16>() : nullptr, ops.y.data_ptr<c10::BFloat16>());
+  return ops.y.view(ops.out_shape);
+}
+
+// y [rows, N] = x [rows, K] . W (+ bias) for a float32 weight in f32_packed_product's form, on raw rows.
+void f32_packed_into(const float* xp, int64_t rows, const at::Tensor& packed, const float* bp, float* yp) {
 #if defined(__AVX512F__)
   const int64_t n_blocks = packed.size(0), k_dim = packed.size(1), n_dim = n_blocks * TILE_COLS;
-  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
-  const float* xp = ops.x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
-  const float* bp = bias ? ops.bias.data_ptr<float>() : nullptr;
-  float* yp = ops.y.data_ptr<float>();
   blocked_product<float>(
-      ops.x.size(0), n_blocks, false,
+      rows, n_blocks, false,
       [&](auto blocks, int64_t m0, int64_t m, int64_t first, float* c) {
         f32_vector_pass<decltype(blocks)::value>(xp + m0 * k_dim, m, k_dim, wp, first, c);
       },
       float_sums_store(yp, bp, n_dim));
-  return ops.y.view(ops.out_shape);
 #else
   TORCH_CHECK(false, "f32_packed_product: built without AVX-512");
-  return x_in;
 #endif
+}
+
+at::Tensor f32_packed_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const int64_t k_dim = packed.size(1), n_dim = packed.size(0) * TILE_COLS;
+  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
+  f32_packed_into(ops.x.data_ptr<float>(), ops.x.size(0), packed, bias ? ops.bias.data_ptr<float>() : nullptr,
+                  ops.y.data_ptr<float>());
+  return ops.y.view(ops.out_shape);
 }
 
 // A weight in tile_product's packed form: [N/16, K/32, 16 input pairs, 16 columns, 2] bf16.
@@ -1224,7 +1295,7 @@ void quantize_row(const T* x, int64_t k_dim, int8_t* q, float* scale) {
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k_dim, int64_t k_padded, int8_t* q, float* scale) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k_dim, 1));   // threads for prompts only
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  spread(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       quantize_row(x + r * k_dim, k_dim, q + r * k_padded, scale + r);
       std::memset(q + r * k_padded + k_dim, 0, k_padded - k_dim);
@@ -1352,50 +1423,63 @@ void store_w8a8_row(T* out, const int32_t* sums, float row_scale, const float* w
   }
 }
 
-at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias) {
+// y [rows, N] = W8A8 product of x [rows, k_dim] on raw rows; xq [rows, k_padded] and xs [rows] take
+// the quantized rows and their scales.
+template <typename T>
+void w8a8_into(const T* x, int64_t rows, int64_t k_dim, const at::Tensor& packed, const at::Tensor& scale,
+               const T* bp, int8_t* xq, float* xs, T* yp) {
+  const int64_t n_blocks = packed.size(0), k_padded = packed.size(1) * W8_K, n_dim = scale.numel();
+  const bool tiles = w8a8_tiles_run(), vnni = w8a8_vnni_run();
+  quantize_rows(x, rows, k_dim, k_padded, xq, xs);
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* wsp = scale.data_ptr<float>();
+  blocked_product<int32_t>(
+      rows, n_blocks, tiles,
+      [&](auto blocks, int64_t m0, int64_t m, int64_t first, int32_t* c) {
+        constexpr int NB = decltype(blocks)::value;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+        if (tiles) return tile_pass<Int8Tiles, NB>(xq + m0 * k_padded, k_padded, wp, first, c);
+#endif
+#if defined(__AVX512VNNI__)
+        if (vnni) return w8_vnni_pass<NB>(xq + m0 * k_padded, m, k_padded, wp, first, c);
+#endif
+        w8_plain_pass<NB>(xq + m0 * k_padded, m, k_padded, wp, first, c);
+      },
+      [&](int64_t m0, int64_t m, int64_t first, int64_t nb, const int32_t* c) {
+        const int64_t n0 = first * TILE_COLS, width = std::min(nb * TILE_COLS, n_dim - n0);
+        for (int64_t r = 0; r < m; ++r)
+          store_w8a8_row(yp + (m0 + r) * n_dim + n0, c + r * TILE_GROUP * TILE_COLS, xs[m0 + r], wsp + n0,
+                         bp ? bp + n0 : nullptr, width);
+      });
+}
+
+// w8a8_linear's checks: W packed, x's width within its padded inputs, scale float32 [N], bias [N].
+void check_w8a8(int64_t k_dim, at::ScalarType dtype, const at::Tensor& packed, const at::Tensor& scale,
+                const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(is_w8a8_packed(packed) && packed.is_contiguous(),
               "w8a8_linear: weight must be packed contiguous int8 [N / 16, K / 64, 16, 16, 4]");
-  const int64_t n_blocks = packed.size(0), k_padded = packed.size(1) * W8_K, k_dim = x_in.size(-1);
+  const int64_t n_blocks = packed.size(0), k_padded = packed.size(1) * W8_K;
   const int64_t n_dim = scale.numel();
   TORCH_CHECK(k_dim <= k_padded && k_dim > k_padded - W8_K, "w8a8_linear: input width ", k_dim,
               " does not fit the weight's ", k_padded, " (padded) inputs");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && n_dim <= n_blocks * TILE_COLS &&
               n_dim > (n_blocks - 1) * TILE_COLS, "w8a8_linear: scale must be float32 [N] for the packed blocks");
-  TORCH_CHECK(!bias || (bias->scalar_type() == x_in.scalar_type() && bias->numel() == n_dim),
+  TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->numel() == n_dim),
               "w8a8_linear: bias must be [N] of the input's dtype");
-  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  check_w8a8(x_in.size(-1), x_in.scalar_type(), packed, scale, bias);
+  const int64_t k_dim = x_in.size(-1), k_padded = packed.size(1) * W8_K;
+  const auto ops = product_operands(x_in, k_dim, scale.numel(), bias);
   const int64_t rows = ops.x.size(0);
   if (rows == 0) return ops.y.view(ops.out_shape);
   auto xq = at::empty({rows, k_padded}, packed.options());
   auto xs = at::empty({rows}, scale.options());
-  const bool tiles = w8a8_tiles_run(), vnni = w8a8_vnni_run();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ops.x.scalar_type(), "w8a8_linear", [&] {
-    quantize_rows(ops.x.data_ptr<scalar_t>(), rows, k_dim, k_padded, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
-    const int8_t* qp = xq.data_ptr<int8_t>();
-    const float* xsp = xs.data_ptr<float>();
-    const int8_t* wp = packed.data_ptr<int8_t>();
-    const float* wsp = scale.data_ptr<float>();
-    const scalar_t* bp = bias ? ops.bias.data_ptr<scalar_t>() : nullptr;
-    scalar_t* yp = ops.y.data_ptr<scalar_t>();
-    blocked_product<int32_t>(
-        rows, n_blocks, tiles,
-        [&](auto blocks, int64_t m0, int64_t m, int64_t first, int32_t* c) {
-          constexpr int NB = decltype(blocks)::value;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
-          if (tiles) return tile_pass<Int8Tiles, NB>(qp + m0 * k_padded, k_padded, wp, first, c);
-#endif
-#if defined(__AVX512VNNI__)
-          if (vnni) return w8_vnni_pass<NB>(qp + m0 * k_padded, m, k_padded, wp, first, c);
-#endif
-          w8_plain_pass<NB>(qp + m0 * k_padded, m, k_padded, wp, first, c);
-        },
-        [&](int64_t m0, int64_t m, int64_t first, int64_t nb, const int32_t* c) {
-          const int64_t n0 = first * TILE_COLS, width = std::min(nb * TILE_COLS, n_dim - n0);
-          for (int64_t r = 0; r < m; ++r)
-            store_w8a8_row(yp + (m0 + r) * n_dim + n0, c + r * TILE_GROUP * TILE_COLS, xsp[m0 + r], wsp + n0,
-                           bp ? bp + n0 : nullptr, width);
-        });
+    w8a8_into(ops.x.data_ptr<scalar_t>(), rows, k_dim, packed, scale, bias ? ops.bias.data_ptr<scalar_t>() : nullptr,
+              xq.data_ptr<int8_t>(), xs.data_ptr<float>(), ops.y.data_ptr<scalar_t>());
   });
   return ops.y.view(ops.out_shape);
 }
@@ -1467,9 +1551,201 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return at::linear(x, int8_dequantize(weight, *scale, x.scalar_type()), bias);
 }
 
+// ---- a dense layer stack in one parallel region (Team) ----
+
+// One product of a layer in a team: a weight in a packed form that runs at every row count (bf16 for
+// tile_product, float32 for f32_packed_product, int8 with its scales for w8a8_linear), its bias
+// contiguous, and its shape.
+struct TeamProduct {
+  at::Tensor weight, scale, bias;
+  int64_t k_dim = 0, n_dim = 0, k_padded = 0;
+};
+
+// The product of (weight, bias, scale) as a team runs it for activations of `dtype`, or nullopt where
+// it runs otherwise (int8 weight-only, weights as loaded, torch's product): then the stack runs as
+// before, a region per loop.
+c10::optional<TeamProduct> team_product(const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b,
+                                        const c10::optional<at::Tensor>& s, at::ScalarType dtype) {
+  TeamProduct p;
+  p.weight = *w;
+  if (s) {
+    if (!is_w8a8_packed(p.weight) || !p.weight.is_contiguous() || dtype == at::kHalf) return c10::nullopt;
+    p.scale = *s;
+    p.n_dim = s->numel();
+    p.k_padded = p.weight.size(1) * W8_K;
+    p.k_dim = -1;                                   // any width within the padded inputs (check_w8a8)
+  } else if (float_products_enabled && is_tile_packed(p.weight) && dtype == at::kBFloat16 && HAS_BF16_PRODUCT) {
+    p.k_dim = p.weight.size(1) * 32;
+    p.n_dim = p.weight.size(0) * TILE_COLS;
+  } else if (float_products_enabled && is_f32_packed(p.weight) && dtype == at::kFloat && HAS_F32_PACKED) {
+    p.k_dim = p.weight.size(1);
+    p.n_dim = p.weight.size(0) * TILE_COLS;
+  } else {
+    return c10::nullopt;
+  }
+  if (b) p.bias = b->contiguous();
+  return p;
+}
+
+// Checks that x [rows, k_dim] of `dtype` fits p (before the region: nothing in it may throw but a loop).
+void check_team_product(const TeamProduct& p, int64_t k_dim, at::ScalarType dtype, const char* name) {
+  if (p.scale.defined()) {
+    check_w8a8(k_dim, dtype, p.weight, p.scale,
+               p.bias.defined() ? c10::optional<at::Tensor>(p.bias) : c10::optional<at::Tensor>());
+  } else {
+    TORCH_CHECK(p.k_dim == k_dim, "dense_layers: the ", name, " product takes ", p.k_dim, " inputs, not ", k_dim);
+    TORCH_CHECK(!p.bias.defined() || (p.bias.scalar_type() == dtype && p.bias.numel() == p.n_dim),
+                "dense_layers: the ", name, " bias must be ", p.n_dim, " values of the activations' dtype");
+  }
+}
+
+// y [rows, n_dim] = x [rows, k_dim] . p, in the team; xq and xs take W8A8's quantized rows.
+template <typename T>
+void team_linear(const T* x, int64_t rows, int64_t k_dim, const TeamProduct& p, int8_t* xq, float* xs, T* y) {
+  const T* bias = p.bias.defined() ? p.bias.data_ptr<T>() : nullptr;
+  if (p.scale.defined()) return w8a8_into(x, rows, k_dim, p.weight, p.scale, bias, xq, xs, y);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) tile_product_into(x, rows, p.weight, bias, y);
+  if constexpr (std::is_same_v<T, float>) f32_packed_into(x, rows, p.weight, bias, y);
+}
+
+// out = x + delta, rounded to T (the residual add after the last layer, or before a layer without an
+// input norm), in the team.
+template <typename T>
+void add_into(const T* x, const T* delta, T* out, int64_t rows, int64_t width) {
+  spread(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * width; i < end * width; ++i) out[i] = round_to<T>(to_float(x[i]) + to_float(delta[i]));
+  });
+}
+
+struct TeamLayer {
+  at::Tensor input_norm, post_norm, k_cache, v_cache;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  TeamProduct qkv, o, gate_up, down;
+};
+
+// The layers of dense_layers as a team runs them (every product in a packed form, the activations
+// bf16 or float32, the shapes checked), or an empty list where the stack runs region by region.
+std::vector<TeamLayer> team_layers(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+                                   const std::vector<at::Tensor>& v_caches,
+                                   const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const auto dtype = x.scalar_type();
+  if ((dtype != at::kBFloat16 && dtype != at::kFloat) || x.numel() == 0 || at::get_num_threads() < 2) return {};
+  std::vector<TeamLayer> team;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& w = layers[i];
+    const auto qkv = team_product(w[2], w[3], w[4], dtype), o = team_product(w[5], w[6], w[7], dtype);
+    const auto gate_up = team_product(w[8], w[9], w[10], dtype), down = team_product(w[11], w[12], w[13], dtype);
+    if (!qkv || !o || !gate_up || !down) return {};
+    TeamLayer layer{w[0] ? w[0]->contiguous() : at::Tensor(), w[1]->contiguous(), k_caches[i], v_caches[i],
+                    w[14] ? c10::optional<at::Tensor>(w[14]->contiguous()) : c10::nullopt,
+                    w[15] ? c10::optional<at::Tensor>(w[15]->contiguous()) : c10::nullopt, *qkv, *o, *gate_up, *down};
+    team.push_back(std::move(layer));
+  }
+  const int64_t hidden = x.size(-1), inter = team[0].gate_up.n_dim / 2;
+  for (const auto& layer : team) {
+    for (const auto* norm : {&layer.input_norm, &layer.post_norm})
+      TORCH_CHECK(!norm->defined() || (norm->numel() == hidden && norm->scalar_type() == dtype),
+                  "dense_layers: a norm's weight must be [", hidden, "] of the activations' dtype");
+    check_team_product(layer.qkv, hidden, dtype, "qkv");
+    TORCH_CHECK(layer.qkv.n_dim == (num_heads + 2 * num_kv_heads) * head_dim, "dense_layers: the qkv product gives ",
+                layer.qkv.n_dim, " values, not (", num_heads, " + 2 * ", num_kv_heads, ") * ", head_dim);
+    check_team_product(layer.o, num_heads * head_dim, dtype, "o");
+    TORCH_CHECK(layer.o.n_dim == hidden && layer.down.n_dim == hidden, "dense_layers: o and down must give ", hidden, " values");
+    TORCH_CHECK(layer.gate_up.n_dim == 2 * inter, "dense_layers: every layer's gate|up must give ", 2 * inter, " values");
+    check_team_product(layer.gate_up, hidden, dtype, "gate_up");
+    check_team_product(layer.down, inter, dtype, "down");
+  }
+  return team;
+}
+
+// dense_layers with every thread in one region for the whole stack (Team): the same kernels on the
+// same rows, so the same values as layer after layer, region after region.
+template <typename T>
+at::Tensor team_dense_layers(const at::Tensor& x_in, const at::Tensor& rope, const std::vector<TeamLayer>& layers,
+                             const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
+                             const at::Tensor& rows, const at::Tensor& table, double eps, double qk_eps,
+                             const Heads& heads, double scale) {
+  const at::Tensor x0 = x_in.reshape({-1, x_in.size(-1)}).contiguous();
+  const int64_t tokens = x0.size(0), hidden = x0.size(1), inter = layers[0].gate_up.n_dim / 2;
+  const auto opts = x0.options();
+  int64_t k_padded = 0;
+  for (const auto& layer : layers)
+    for (const auto* p : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) k_padded = std::max(k_padded, p->k_padded);
+  at::Tensor stream[2] = {at::empty({tokens, hidden}, opts), at::empty({tokens, hidden}, opts)};
+  at::Tensor normed = at::empty({tokens, hidden}, opts), post = at::empty({tokens, hidden}, opts);
+  at::Tensor h = at::empty({tokens, hidden}, opts), delta = at::empty({tokens, hidden}, opts);
+  at::Tensor qkv = at::empty({tokens, layers[0].qkv.n_dim}, opts), attended = at::empty({tokens, heads.q * heads.dim}, opts);
+  at::Tensor gate_up = at::empty({tokens, 2 * inter}, opts), act = at::empty({tokens, inter}, opts);
+  at::Tensor queries = at::empty({tokens * heads.q * heads.dim}, opts.dtype(at::kFloat));
+  at::Tensor xq = at::empty({tokens, std::max<int64_t>(k_padded, 1)}, opts.dtype(at::kChar));
+  at::Tensor xs = at::empty({tokens}, opts.dtype(at::kFloat));
+  for (const auto& layer : layers)
+    check_attention(qkv, heads.q, heads.kv, heads.dim, layer.k_cache, layer.v_cache, q_start, q_len, kv_len, rows,
+                    table, rope);
+  const float feps = static_cast<float>(eps);
+  team_stacks += 1;
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const Team team{omp_get_thread_num(), omp_get_num_threads(), &failed, &error};
+    current_team = &team;
+    try {
+      T* nq = normed.data_ptr<T>();
+      const T* x = x0.data_ptr<T>();
+      int8_t* q8 = xq.data_ptr<int8_t>();
+      float* qs = xs.data_ptr<float>();
+      if (layers[0].input_norm.defined()) rms_norm_into(x, layers[0].input_norm.data_ptr<T>(), nq, tokens, hidden, feps);
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const TeamLayer& layer = layers[i];
+        at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache, out = attended;
+        team_linear(layer.input_norm.defined() ? nq : x, tokens, hidden, layer.qkv, q8, qs, qkv.data_ptr<T>());
+        attention_impl<T>(qkv, heads, k_cache, v_cache, q_start, q_len, kv_len, rows, table, rope, layer.q_norm,
+                          layer.k_norm, qk_eps, scale, out, queries.data_ptr<float>());
+        team_linear(attended.data_ptr<T>(), tokens, heads.q * heads.dim, layer.o, q8, qs, delta.data_ptr<T>());
+        add_rms_norm_into(x, delta.data_ptr<T>(), layer.post_norm.data_ptr<T>(), h.data_ptr<T>(), post.data_ptr<T>(),
+                          tokens, hidden, feps);
+        team_linear(post.data_ptr<T>(), tokens, hidden, layer.gate_up, q8, qs, gate_up.data_ptr<T>());
+        silu_mul_into(gate_up.data_ptr<T>(), 2 * inter, act.data_ptr<T>(), tokens, inter);
+        team_linear(act.data_ptr<T>(), tokens, inter, layer.down, q8, qs, delta.data_ptr<T>());
+        T* next = stream[i % 2].data_ptr<T>();     // the residual stream: h + down, and the next layer's norm of it
+        if (i + 1 < layers.size() && layers[i + 1].input_norm.defined())
+          add_rms_norm_into(h.data_ptr<T>(), delta.data_ptr<T>(), layers[i + 1].input_norm.data_ptr<T>(), next, nq,
+                            tokens, hidden, feps);
+        else
+          add_into(h.data_ptr<T>(), delta.data_ptr<T>(), next, tokens, hidden);
+        x = next;
+      }
+    } catch (...) {                   // thrown outside a loop: by every thread at the same check
+      if (!failed.exchange(true)) error = std::current_exception();
+    }
+    current_team = nullptr;
+  }
+  if (error) std::rethrow_exception(error);
+  return stream[(layers.size() - 1) % 2].view(x_in.sizes());
+}
+
+// The stack in one region where a team runs it (teams on, team_layers' conditions), else nullopt.
+c10::optional<at::Tensor> stack_in_team(const at::Tensor& x_in, const at::Tensor& rope, const std::vector<at::Tensor>& k_caches,
+                                        const std::vector<at::Tensor>& v_caches, const at::Tensor& q_start,
+                                        const at::Tensor& q_len, const at::Tensor& kv_len, const at::Tensor& rows,
+                                        const at::Tensor& table, const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
+                                        double eps, double qk_eps, int64_t num_heads, int64_t num_kv_heads,
+                                        int64_t head_dim, double scale) {
+  if (!teams_enabled || layers.empty()) return c10::nullopt;
+  const auto team = team_layers(x_in, k_caches, v_caches, layers, num_heads, num_kv_heads, head_dim);
+  if (team.empty()) return c10::nullopt;
+  const Heads heads{num_heads, num_kv_heads, head_dim};
+  if (x_in.scalar_type() == at::kBFloat16)
+    return team_dense_layers<c10::BFloat16>(x_in, rope, team, q_start, q_len, kv_len, rows, table, eps, qk_eps, heads, scale);
+  return team_dense_layers<float>(x_in, rope, team, q_start, q_len, kv_len, rows, table, eps, qk_eps, heads, scale);
+}
+
 // One pre-norm decoder layer of the dense models (engine/models/llama.py: DecoderLayer with a GatedMLP)
 // in one call: h = x + o(attention(qkv(norm(x)))); out = h + down(silu(gate) * up)(norm(h)). The same
-// functions the layer's modules call one by one from Python, without a Python call between them.
+// functions the layer's modules call one by one from Python, without a Python call between them; in
+// one parallel region where a team runs it (stack_in_team).
 at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& rope, at::Tensor k_cache, at::Tensor v_cache,
                        const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
                        const at::Tensor& rows, const at::Tensor& table,
@@ -1481,6 +1757,11 @@ at::Tensor dense_layer(const at::Tensor& x, const at::Tensor& rope, at::Tensor k
                        const c10::optional<at::Tensor>& down_s, const c10::optional<at::Tensor>& q_norm,
                        const c10::optional<at::Tensor>& k_norm, double qk_eps, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, double scale, int64_t int8_max_rows) {
+  const std::vector<c10::optional<at::Tensor>> listed{input_norm, post_norm, qkv_w, qkv_b, qkv_s, o_w, o_b, o_s,
+                                                      gu_w, gu_b, gu_s, down_w, down_b, down_s, q_norm, k_norm};
+  if (auto out = stack_in_team(x, rope, {k_cache}, {v_cache}, q_start, q_len, kv_len, rows, table, {listed}, eps,
+                               qk_eps, num_heads, num_kv_heads, head_dim, scale))
+    return *out;
   const at::Tensor normed = input_norm ? rms_norm(x, *input_norm, eps) : x;
   const at::Tensor qkv = layer_linear(normed, qkv_w, qkv_b, qkv_s, int8_max_rows);
   const at::Tensor attended = attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, q_start, q_len,
@@ -1520,6 +1801,9 @@ at::Tensor dense_layers(const at::Tensor& x_in, const at::Tensor& rope, std::vec
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "dense_layers: one K and one V cache per layer");
   for (size_t i = 0; i < layers.size(); ++i) check_layer_list(layers[i], "dense_layers");
+  if (auto out = stack_in_team(x_in, rope, k_caches, v_caches, q_start, q_len, kv_len, rows, table, layers, eps,
+                               qk_eps, num_heads, num_kv_heads, head_dim, scale))
+    return *out;
   at::Tensor x = x_in;
   for (size_t i = 0; i < layers.size(); ++i)
     x = listed_dense_layer(x, rope, k_caches[i], v_caches[i], q_start, q_len, kv_len, rows, table, layers[i], eps,
@@ -1710,6 +1994,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_native_float_products", &set_native_float_products, "off: float products through torch (benchmarks)");
   m.def("set_kv_prefetch", &set_kv_prefetch, "off: attention fetches no key or value row ahead (benchmarks)");
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");
+  m.def("set_teams", &set_teams, "off: dense_layers opens a parallel region per loop, not one for the stack (benchmarks)");
+  m.def("team_stacks_run", &team_stacks_run, "layer stacks run in one parallel region since the module loaded");
   m.def("set_wide_row_runs", &set_wide_row_runs, "off: the float vector passes read four rows at a time (benchmarks)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights against each row of x quantized to int8, int32 sums", release);
   m.def("w8a8_tiles_run", &w8a8_tiles_run, "whether w8a8_linear runs on AMX tiles here");

@@ -109,9 +109,13 @@ def describe_cpu_path(model) -> str:
     packed = (f"bfloat16 weights packed for {kernels.bf16_packed_products()}" if runs_packed(model, torch.bfloat16)
               else "float32 weights packed for AVX-512 vectors" if runs_packed(model, torch.float32) else "")
     tiled = f"; {packed}, their products native at every row count" if packed else ""
+    w8a8 = describe_w8a8(model, kernels)
+    threads = torch.get_num_threads()
+    team = (f"; each layer stack in one parallel region of {threads} threads" if (packed or w8a8) and threads > 1
+            else "")
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
             f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}"
-            f"{describe_w8a8(model, kernels)}; CPU features: {features}")
+            f"{w8a8}{team}; CPU features: {features}")
 
 
 def describe_w8a8(model, kernels) -> str:

@@ -703,6 +703,12 @@ def test_verify_rows_times_both_ways_and_finds_the_same_logits():
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("float32, 1 x ")]
     assert len(lines) == 2 and all(line.endswith("same logits: True") for line in lines)
+    result = cli("bench/verify_rows.py", "--dtype", "bfloat16", "--quantization", "w8a8_int8", "--switch", "teams",
+                 "--seqs", "1,3", "--tokens", "1,5", "--forwards", "4", "--context", "16", timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("bfloat16 w8a8_int8, ")]
+    assert [line.split(":")[0] for line in lines] == [f"bfloat16 w8a8_int8, {b} x {q}" for b in (1, 3) for q in (1, 5)]
+    assert all("in one region" in line and line.endswith("same logits: True") for line in lines)
 
 
 def test_perplexity_scores_held_out_tokens_for_each_variant(tmp_path):

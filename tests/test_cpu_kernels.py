@@ -388,6 +388,8 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
         packed_f32 = [m for m in linears if type(m) is NativeLinear and m.native_weight.dim() == 3]
         assert bool(packed_f32) == (choice == "native" and dtype == torch.float32 and PACKED_F32)
         assert ("float32 weights packed for AVX-512 vectors" in described) == bool(packed_f32)
+        assert ("each layer stack in one parallel region" in described) == (
+            bool(packed or packed_f32) and torch.get_num_threads() > 1)
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)
         steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]
@@ -414,6 +416,76 @@ def test_the_stacked_layers_call_equals_the_layers_one_by_one(quantization):
         logits = [step_logits(model, PagedRunner(model.kv_layout(), torch.float32, max_requests=2, max_context=64),
                               steps) for model in (stacked, one_by_one)]
     assert torch.equal(*logits)
+
+
+TEAM_CASES = [("bfloat16", None, PACKED_BF16), ("float32", None, PACKED_F32), ("bfloat16", "w8a8_int8", True)]
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+    kernels.set_teams(True)
+
+
+@pytest.mark.parametrize("dtype,quantization,packed", TEAM_CASES)
+def test_a_stack_in_one_parallel_region_reads_what_a_region_per_loop_reads(dtype, quantization, packed, two_threads):
+    """dense_layers with every thread in one region for the whole stack (a team) gives the logits of the
+    same kernels opening a region per loop, bit for bit, for prompts, decode steps and verify runs; an
+    EAGLE head's layer runs in a team too."""
+    if not packed:
+        pytest.skip(f"{dtype} weights are not packed on this CPU")
+    from engine.models.loader import load_draft, load_model
+    from engine.models.testing import PagedRunner, step_logits
+    model = load_model(DENSE, getattr(torch, dtype), "cpu", cpu_kernels="native", quantization=quantization)[0]
+    steps = [[(0, list(range(3, 40))), (1, list(range(5, 9)))], [(0, [7]), (1, [9, 4, 2, 8, 1])],
+             [(0, [3]), (1, [5]), (2, list(range(60, 80)))]]
+    logits, ran = {}, {}
+    for team in (True, False):
+        kernels.set_teams(team)
+        before = kernels.team_stacks_run()
+        runner = PagedRunner(model.kv_layout(), getattr(torch, dtype), max_requests=3, max_context=64)
+        logits[team] = step_logits(model, runner, steps)
+        ran[team] = kernels.team_stacks_run() - before
+    assert ran == {True: len(steps), False: 0}
+    assert torch.equal(logits[True], logits[False])
+    head = load_draft(f"{DENSE}-eagle", model, getattr(torch, dtype), "cpu", cpu_kernels="native",
+                      quantization=quantization)[0]
+    features = torch.randn(6, head.hidden_size, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
+    outs = {}
+    for team in (True, False):
+        kernels.set_teams(team)
+        before = kernels.team_stacks_run()
+        ids, batch = PagedRunner(head.kv_layout(), getattr(torch, dtype), max_requests=2, max_context=16).step(
+            [(0, [4, 5, 6, 7]), (1, [8, 9])])
+        with torch.inference_mode():
+            outs[team] = head(ids, features, batch)
+        ran[team] = kernels.team_stacks_run() - before
+    assert ran[True] == 1 and ran[False] == 0
+    assert torch.equal(outs[True], outs[False])
+
+
+def test_a_team_s_failed_loop_raises_and_the_next_stack_runs(two_threads):
+    """A slot outside the cache, found inside a loop of a team, raises once the region ends (no thread
+    left waiting at a barrier); the next stack runs and reads what a region per loop reads."""
+    from engine.models.loader import load_model
+    from engine.models.testing import PagedRunner
+    model = load_model(DENSE, torch.bfloat16, "cpu", cpu_kernels="native", quantization="w8a8_int8")[0]
+    runner = PagedRunner(model.kv_layout(), torch.bfloat16, max_requests=2, max_context=32)
+    ids, batch = runner.step([(0, [1, 2, 3, 4]), (1, [5, 6])])
+    slot = int(runner.req_to_slot[1, 1])
+    runner.req_to_slot[1, 1] = 10 ** 9
+    before = kernels.team_stacks_run()
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the cache"):
+        model(ids, batch)
+    assert kernels.team_stacks_run() == before + 1
+    runner.req_to_slot[1, 1] = slot
+    with torch.inference_mode():
+        in_team = model(ids, batch).hidden
+        kernels.set_teams(False)
+        assert torch.equal(in_team, model(ids, batch).hidden)
 
 
 def test_top_choice_is_torch_s_argmax_and_softmax_probability():
