@@ -3,6 +3,8 @@ default): a verify forward's rows read at once or four at a time (the float vect
 or 6 rows, a verify of 4-5 drafts and its bonus token, in one pass where their sums fit the vector
 registers: devices/cpu_kernels.cpp in_row_runs; `set_wide_row_runs(False)` reads them four at a time).
 `--switch teams`: the layer stack in one parallel region, or a region per kernel loop (`set_teams(False)`).
+`--switch own_rows`: in that region, at a few rows, each thread runs the row-wise steps over every row itself,
+or they are shared out with a barrier after each (`set_own_rows(False)`).
 The two alternate forward by forward on the same model and cache, so a noisy neighbour hits both alike;
 also checks that both give the same logits.
 
@@ -25,7 +27,8 @@ from engine.models.loader import load_model  # noqa: E402
 from engine.models.testing import PagedRunner  # noqa: E402
 
 
-SWITCHES = {"wide_row_runs": ("at once", "four rows at a time"), "teams": ("in one region", "a region a loop")}
+SWITCHES = {"wide_row_runs": ("at once", "four rows at a time"), "teams": ("in one region", "a region a loop"),
+            "own_rows": ("row-wise steps each thread's own", "row-wise steps shared")}
 
 
 @torch.inference_mode()

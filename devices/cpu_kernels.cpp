@@ -242,20 +242,25 @@ void add_rms_norm_into(const T* x, const T* delta, const T* weight, T* h, T* out
 }
 
 template <typename T>
+void silu_rows(const T* gate_up, int64_t stride, T* out, int64_t begin, int64_t end, int64_t inter) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* g = gate_up + r * stride;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+_Pragma("omp simd")
+    for (int64_t j = 0; j < inter; ++j) {
+      const float gate = to_float(g[j]);
+      const T act = round_to<T>(gate / (1.f + fast_exp(-gate)));
+      o[j] = round_to<T>(to_float(act) * to_float(u[j]));
+    }
+  }
+}
+
+template <typename T>
 void silu_mul_into(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t inter) {
   spread(0, rows, 8, [&](int64_t begin, int64_t end) {
     const FlushSubnormals flush;
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gate_up + r * stride;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-_Pragma("omp simd")
-      for (int64_t j = 0; j < inter; ++j) {
-        const float gate = to_float(g[j]);
-        const T act = round_to<T>(gate / (1.f + fast_exp(-gate)));
-        o[j] = round_to<T>(to_float(act) * to_float(u[j]));
-      }
-    }
+    silu_rows(gate_up, stride, out, begin, end, inter);
   });
 }
 
@@ -534,45 +539,42 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
 
   T* dst = out.data_ptr<T>();
 
-  // Pass 1: rotate the queries (kept in float32, in `queries` [T, H, D]) and the new keys; write keys and
-  // values to the cache.
-  spread(0, tokens, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> key(dim);
-    for (int64_t t = begin; t < end; ++t) {
-      if (seq_of[t] < 0) {                         // a token no sequence owns: zeros out
-        for (int64_t d = 0; d < heads.q * dim; ++d) dst[t * heads.q * dim + d] = static_cast<T>(0.f);
-        continue;
-      }
+  // Each (sequence, kv head) at once, its jobs split across the threads. First its new tokens: their
+  // queries of the `group` heads sharing the kv head rotated (kept in float32, in `queries` [T, H, D]),
+  // the kv head's new keys rotated and written to the cache with their values: only this job reads
+  // them, so one loop over the jobs does both passes (no barrier between). Then its queries (q_len
+  // tokens x the group's heads) read each key and value row once; query row r = i * group + g sees
+  // keys 0 ..= position(i).
+  auto rotate_new = [&](int64_t b, int64_t kv_head, float* key) {
+    for (int64_t t = qs[b]; t < qs[b] + ql[b]; ++t) {
       const T* row = src + t * qkv_stride;
-      for (int64_t h = 0; h < heads.q; ++h) {
+      for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
         float* q = queries + (t * heads.q + h) * dim;
         for (int64_t d = 0; d < dim; ++d) q[d] = to_float(row[h * dim + d]);
         if (qn) head_norm(q, qn, dim, eps);
         rotate(q, cos_sin + t * dim, dim);
       }
-      const int64_t slot = slot_at(seq_of[t], pos_of[t]);
-      const T* k_src = row + heads.q * dim;
-      const T* v_src = k_src + heads.kv * dim;
-      for (int64_t h = 0; h < heads.kv; ++h) {
-        for (int64_t d = 0; d < dim; ++d) key[d] = to_float(k_src[h * dim + d]);
-        if (kn) head_norm(key.data(), kn, dim, eps);
-        rotate(key.data(), cos_sin + t * dim, dim);
-        T* k_dst = kc + (slot * heads.kv + h) * dim;
-        T* v_dst = vc + (slot * heads.kv + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) {
-          k_dst[d] = round_to<T>(key[d]);
-          v_dst[d] = v_src[h * dim + d];
-        }
+      const int64_t slot = slot_at(b, pos_of[t]);
+      const T* k_src = row + (heads.q + kv_head) * dim;
+      const T* v_src = row + (heads.q + heads.kv + kv_head) * dim;
+      for (int64_t d = 0; d < dim; ++d) key[d] = to_float(k_src[d]);
+      if (kn) head_norm(key, kn, dim, eps);
+      rotate(key, cos_sin + t * dim, dim);
+      T* k_dst = kc + (slot * heads.kv + kv_head) * dim;
+      T* v_dst = vc + (slot * heads.kv + kv_head) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        k_dst[d] = round_to<T>(key[d]);
+        v_dst[d] = v_src[d];
       }
     }
-  });
-
-  // Pass 2: each (sequence, kv head) at once: its queries (q_len tokens x the `group` query heads
-  // sharing the kv head) read each key and value row once. Query row r = i * group + g sees keys
-  // 0 ..= position(i).
+  };
   const float softmax_scale = static_cast<float>(scale);
   spread(0, seqs * heads.kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+    if (begin == 0)                                  // tokens no sequence owns: zeros out (the first part's)
+      for (int64_t t = 0; t < tokens; ++t)
+        if (seq_of[t] < 0)
+          for (int64_t d = 0; d < heads.q * dim; ++d) dst[t * heads.q * dim + d] = static_cast<T>(0.f);
+    std::vector<float> scores, acc, key(dim);
     std::vector<int64_t> slots;
     std::vector<const float*> query;          // row r's query vector (token q_start + r / group, head r % group)
     std::vector<T*> out_rows;
@@ -580,6 +582,7 @@ void attention_impl(const at::Tensor& qkv, const Heads& heads, at::Tensor& k_cac
       const int64_t b = job / heads.kv, kv_head = job % heads.kv;
       const int64_t n_q = ql[b], keys = kl[b], first = keys - n_q, n_rows = n_q * group;
       if (n_q == 0) continue;
+      rotate_new(b, kv_head, key.data());
       scores.assign(n_rows * keys, 0.f);
       acc.assign(n_rows * dim, 0.f);
       slots.resize(keys);
@@ -1293,13 +1296,18 @@ void quantize_row(const T* x, int64_t k_dim, int8_t* q, float* scale) {
 }
 
 template <typename T>
+void quantize_row_range(const T* x, int64_t begin, int64_t end, int64_t k_dim, int64_t k_padded, int8_t* q, float* scale) {
+  for (int64_t r = begin; r < end; ++r) {
+    quantize_row(x + r * k_dim, k_dim, q + r * k_padded, scale + r);
+    std::memset(q + r * k_padded + k_dim, 0, k_padded - k_dim);
+  }
+}
+
+template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k_dim, int64_t k_padded, int8_t* q, float* scale) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k_dim, 1));   // threads for prompts only
   spread(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      quantize_row(x + r * k_dim, k_dim, q + r * k_padded, scale + r);
-      std::memset(q + r * k_padded + k_dim, 0, k_padded - k_dim);
-    }
+    quantize_row_range(x, begin, end, k_dim, k_padded, q, scale);
   });
 }
 
@@ -1424,13 +1432,12 @@ void store_w8a8_row(T* out, const int32_t* sums, float row_scale, const float* w
 }
 
 // y [rows, N] = W8A8 product of x [rows, k_dim] on raw rows; xq [rows, k_padded] and xs [rows] take
-// the quantized rows and their scales.
+// the quantized rows and their scales (w8a8_sums_into: from rows quantized already).
 template <typename T>
-void w8a8_into(const T* x, int64_t rows, int64_t k_dim, const at::Tensor& packed, const at::Tensor& scale,
-               const T* bp, int8_t* xq, float* xs, T* yp) {
+void w8a8_sums_into(int64_t rows, const at::Tensor& packed, const at::Tensor& scale, const T* bp, const int8_t* xq,
+                    const float* xs, T* yp) {
   const int64_t n_blocks = packed.size(0), k_padded = packed.size(1) * W8_K, n_dim = scale.numel();
   const bool tiles = w8a8_tiles_run(), vnni = w8a8_vnni_run();
-  quantize_rows(x, rows, k_dim, k_padded, xq, xs);
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* wsp = scale.data_ptr<float>();
   blocked_product<int32_t>(
@@ -1451,6 +1458,13 @@ void w8a8_into(const T* x, int64_t rows, int64_t k_dim, const at::Tensor& packed
           store_w8a8_row(yp + (m0 + r) * n_dim + n0, c + r * TILE_GROUP * TILE_COLS, xs[m0 + r], wsp + n0,
                          bp ? bp + n0 : nullptr, width);
       });
+}
+
+template <typename T>
+void w8a8_into(const T* x, int64_t rows, int64_t k_dim, const at::Tensor& packed, const at::Tensor& scale,
+               const T* bp, int8_t* xq, float* xs, T* yp) {
+  quantize_rows(x, rows, k_dim, packed.size(1) * W8_K, xq, xs);
+  w8a8_sums_into(rows, packed, scale, bp, xq, xs, yp);
 }
 
 // w8a8_linear's checks: W packed, x's width within its padded inputs, scale float32 [N], bias [N].
@@ -1599,10 +1613,16 @@ void check_team_product(const TeamProduct& p, int64_t k_dim, at::ScalarType dtyp
   }
 }
 
-// y [rows, n_dim] = x [rows, k_dim] . p, in the team; xq and xs take W8A8's quantized rows.
+// y [rows, n_dim] = x [rows, k_dim] . p, in the team; xq and xs take W8A8's quantized rows: shared, or
+// the thread's own where `own_rows` (each thread quantizes every row itself, no barrier before the sums).
 template <typename T>
-void team_linear(const T* x, int64_t rows, int64_t k_dim, const TeamProduct& p, int8_t* xq, float* xs, T* y) {
+void team_linear(const T* x, int64_t rows, int64_t k_dim, const TeamProduct& p, int8_t* xq, float* xs, T* y,
+                 bool own_rows) {
   const T* bias = p.bias.defined() ? p.bias.data_ptr<T>() : nullptr;
+  if (p.scale.defined() && own_rows) {
+    quantize_row_range(x, 0, rows, k_dim, p.k_padded, xq, xs);
+    return w8a8_sums_into(rows, p.weight, p.scale, bias, xq, xs, y);
+  }
   if (p.scale.defined()) return w8a8_into(x, rows, k_dim, p.weight, p.scale, bias, xq, xs, y);
   if constexpr (std::is_same_v<T, c10::BFloat16>) tile_product_into(x, rows, p.weight, bias, y);
   if constexpr (std::is_same_v<T, float>) f32_packed_into(x, rows, p.weight, bias, y);
@@ -1616,6 +1636,13 @@ void add_into(const T* x, const T* delta, T* out, int64_t rows, int64_t width) {
     for (int64_t i = begin * width; i < end * width; ++i) out[i] = round_to<T>(to_float(x[i]) + to_float(delta[i]));
   });
 }
+
+// At most this many rows, each thread of a team runs the row-wise steps (norms, the residual adds,
+// SwiGLU, W8A8's quantization) over every row into its own buffers, the same values, instead of
+// sharing them out and waiting at a barrier: at a few rows a barrier costs more than the rows.
+constexpr int64_t OWN_ROWS = 16;
+std::atomic<bool> own_rows_enabled{true};       // off: the row-wise steps spread at every row count (benchmarks)
+void set_own_rows(bool enabled) { own_rows_enabled = enabled; }
 
 struct TeamLayer {
   at::Tensor input_norm, post_norm, k_cache, v_cache;
@@ -1684,6 +1711,7 @@ at::Tensor team_dense_layers(const at::Tensor& x_in, const at::Tensor& rope, con
     check_attention(qkv, heads.q, heads.kv, heads.dim, layer.k_cache, layer.v_cache, q_start, q_len, kv_len, rows,
                     table, rope);
   const float feps = static_cast<float>(eps);
+  const bool own_rows = own_rows_enabled && tokens <= OWN_ROWS;
   team_stacks += 1;
   std::atomic<bool> failed{false};
   std::exception_ptr error;
@@ -1692,31 +1720,61 @@ at::Tensor team_dense_layers(const at::Tensor& x_in, const at::Tensor& rope, con
     const Team team{omp_get_thread_num(), omp_get_num_threads(), &failed, &error};
     current_team = &team;
     try {
-      T* nq = normed.data_ptr<T>();
+      // Where `own_rows`, the thread's own copies of the rows the row-wise steps write (the stream, its
+      // norms, h, SwiGLU's output, W8A8's quantized rows); else the shared buffers, the steps spread.
+      std::vector<T> own(own_rows ? tokens * (4 * hidden + inter) : 0);
+      std::vector<int8_t> own_q(own_rows ? tokens * std::max<int64_t>(k_padded, 1) : 0);
+      std::vector<float> own_s(own_rows ? tokens : 0);
+      T* nq = own_rows ? own.data() : normed.data_ptr<T>();
+      T* hp = own_rows ? nq + tokens * hidden : h.data_ptr<T>();
+      T* pp = own_rows ? hp + tokens * hidden : post.data_ptr<T>();
+      T* ap = own_rows ? pp + tokens * hidden : act.data_ptr<T>();
+      T* own_x = own_rows ? ap + tokens * inter : nullptr;
+      int8_t* q8 = own_rows ? own_q.data() : xq.data_ptr<int8_t>();
+      float* qs = own_rows ? own_s.data() : xs.data_ptr<float>();
+      T* dp = delta.data_ptr<T>();
+      T* gp = gate_up.data_ptr<T>();
+      // The row-wise steps: each thread all rows where own_rows (no barrier after), else spread.
+      auto norm = [&](const T* x, const at::Tensor& weight, T* out) {
+        if (!own_rows) return rms_norm_into(x, weight.data_ptr<T>(), out, tokens, hidden, feps);
+        for (int64_t r = 0; r < tokens; ++r) rms_norm_rows(x + r * hidden, weight.data_ptr<T>(), out + r * hidden, hidden, feps);
+      };
+      auto add_norm = [&](const T* x, const T* d, const at::Tensor& weight, T* sum, T* out) {
+        if (!own_rows) return add_rms_norm_into(x, d, weight.data_ptr<T>(), sum, out, tokens, hidden, feps);
+        for (int64_t i = 0; i < tokens * hidden; ++i) sum[i] = round_to<T>(to_float(x[i]) + to_float(d[i]));
+        for (int64_t r = 0; r < tokens; ++r) rms_norm_rows(sum + r * hidden, weight.data_ptr<T>(), out + r * hidden, hidden, feps);
+      };
       const T* x = x0.data_ptr<T>();
-      int8_t* q8 = xq.data_ptr<int8_t>();
-      float* qs = xs.data_ptr<float>();
-      if (layers[0].input_norm.defined()) rms_norm_into(x, layers[0].input_norm.data_ptr<T>(), nq, tokens, hidden, feps);
+      if (layers[0].input_norm.defined()) norm(x, layers[0].input_norm, nq);
       for (size_t i = 0; i < layers.size(); ++i) {
         const TeamLayer& layer = layers[i];
         at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache, out = attended;
-        team_linear(layer.input_norm.defined() ? nq : x, tokens, hidden, layer.qkv, q8, qs, qkv.data_ptr<T>());
+        team_linear(layer.input_norm.defined() ? nq : x, tokens, hidden, layer.qkv, q8, qs, qkv.data_ptr<T>(), own_rows);
         attention_impl<T>(qkv, heads, k_cache, v_cache, q_start, q_len, kv_len, rows, table, rope, layer.q_norm,
                           layer.k_norm, qk_eps, scale, out, queries.data_ptr<float>());
-        team_linear(attended.data_ptr<T>(), tokens, heads.q * heads.dim, layer.o, q8, qs, delta.data_ptr<T>());
-        add_rms_norm_into(x, delta.data_ptr<T>(), layer.post_norm.data_ptr<T>(), h.data_ptr<T>(), post.data_ptr<T>(),
-                          tokens, hidden, feps);
-        team_linear(post.data_ptr<T>(), tokens, hidden, layer.gate_up, q8, qs, gate_up.data_ptr<T>());
-        silu_mul_into(gate_up.data_ptr<T>(), 2 * inter, act.data_ptr<T>(), tokens, inter);
-        team_linear(act.data_ptr<T>(), tokens, inter, layer.down, q8, qs, delta.data_ptr<T>());
-        T* next = stream[i % 2].data_ptr<T>();     // the residual stream: h + down, and the next layer's norm of it
-        if (i + 1 < layers.size() && layers[i + 1].input_norm.defined())
-          add_rms_norm_into(h.data_ptr<T>(), delta.data_ptr<T>(), layers[i + 1].input_norm.data_ptr<T>(), next, nq,
-                            tokens, hidden, feps);
-        else
-          add_into(h.data_ptr<T>(), delta.data_ptr<T>(), next, tokens, hidden);
+        team_linear(attended.data_ptr<T>(), tokens, heads.q * heads.dim, layer.o, q8, qs, dp, own_rows);
+        add_norm(x, dp, layer.post_norm, hp, pp);
+        team_linear(pp, tokens, hidden, layer.gate_up, q8, qs, gp, own_rows);
+        if (own_rows) {
+          const FlushSubnormals flush;
+          silu_rows(gp, 2 * inter, ap, 0, tokens, inter);
+        } else {
+          silu_mul_into(gp, 2 * inter, ap, tokens, inter);
+        }
+        team_linear(ap, tokens, inter, layer.down, q8, qs, dp, own_rows);
+        // the residual stream: h + down, and the next layer's norm of it
+        T* next = own_rows ? own_x : stream[i % 2].data_ptr<T>();
+        if (i + 1 < layers.size() && layers[i + 1].input_norm.defined()) {
+          add_norm(hp, dp, layers[i + 1].input_norm, next, nq);
+        } else if (own_rows) {
+          for (int64_t j = 0; j < tokens * hidden; ++j) next[j] = round_to<T>(to_float(hp[j]) + to_float(dp[j]));
+        } else {
+          add_into(hp, dp, next, tokens, hidden);
+        }
         x = next;
       }
+      if (own_rows && team.rank == 0 && !failed.load())
+        std::memcpy(stream[(layers.size() - 1) % 2].data_ptr<T>(), own_x, tokens * hidden * sizeof(T));
     } catch (...) {                   // thrown outside a loop: by every thread at the same check
       if (!failed.exchange(true)) error = std::current_exception();
     }
@@ -1995,6 +2053,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_kv_prefetch", &set_kv_prefetch, "off: attention fetches no key or value row ahead (benchmarks)");
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");
   m.def("set_teams", &set_teams, "off: dense_layers opens a parallel region per loop, not one for the stack (benchmarks)");
+  m.def("set_own_rows", &set_own_rows, "off: a team's row-wise steps spread across it at every row count (benchmarks)");
   m.def("team_stacks_run", &team_stacks_run, "layer stacks run in one parallel region since the module loaded");
   m.def("set_wide_row_runs", &set_wide_row_runs, "off: the float vector passes read four rows at a time (benchmarks)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights against each row of x quantized to int8, int32 sums", release);

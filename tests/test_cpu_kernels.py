@@ -428,13 +428,15 @@ def two_threads():
     yield
     torch.set_num_threads(threads)
     kernels.set_teams(True)
+    kernels.set_own_rows(True)
 
 
 @pytest.mark.parametrize("dtype,quantization,packed", TEAM_CASES)
 def test_a_stack_in_one_parallel_region_reads_what_a_region_per_loop_reads(dtype, quantization, packed, two_threads):
     """dense_layers with every thread in one region for the whole stack (a team) gives the logits of the
-    same kernels opening a region per loop, bit for bit, for prompts, decode steps and verify runs; an
-    EAGLE head's layer runs in a team too."""
+    same kernels opening a region per loop, bit for bit, for prompts, decode steps and verify runs, with
+    the row-wise steps of a few rows each thread's own or shared out; an EAGLE head's layer runs in a
+    team too."""
     if not packed:
         pytest.skip(f"{dtype} weights are not packed on this CPU")
     from engine.models.loader import load_draft, load_model
@@ -443,14 +445,17 @@ def test_a_stack_in_one_parallel_region_reads_what_a_region_per_loop_reads(dtype
     steps = [[(0, list(range(3, 40))), (1, list(range(5, 9)))], [(0, [7]), (1, [9, 4, 2, 8, 1])],
              [(0, [3]), (1, [5]), (2, list(range(60, 80)))]]
     logits, ran = {}, {}
-    for team in (True, False):
+    for team, own_rows in ((True, True), (True, False), (False, True)):      # own rows: a few rows each thread's
         kernels.set_teams(team)
+        kernels.set_own_rows(own_rows)
         before = kernels.team_stacks_run()
         runner = PagedRunner(model.kv_layout(), getattr(torch, dtype), max_requests=3, max_context=64)
-        logits[team] = step_logits(model, runner, steps)
-        ran[team] = kernels.team_stacks_run() - before
-    assert ran == {True: len(steps), False: 0}
-    assert torch.equal(logits[True], logits[False])
+        logits[team, own_rows] = step_logits(model, runner, steps)
+        ran[team, own_rows] = kernels.team_stacks_run() - before
+    kernels.set_own_rows(True)
+    assert ran == {(True, True): len(steps), (True, False): len(steps), (False, True): 0}
+    assert torch.equal(logits[True, True], logits[False, True])
+    assert torch.equal(logits[True, False], logits[False, True])
     head = load_draft(f"{DENSE}-eagle", model, getattr(torch, dtype), "cpu", cpu_kernels="native",
                       quantization=quantization)[0]
     features = torch.randn(6, head.hidden_size, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
