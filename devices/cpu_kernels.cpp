@@ -1686,33 +1686,117 @@ std::vector<TeamLayer> team_layers(const at::Tensor& x, const std::vector<at::Te
   return team;
 }
 
-// dense_layers with every thread in one region for the whole stack (Team): the same kernels on the
-// same rows, so the same values as layer after layer, region after region.
+// The buffers a team's layers share over `tokens` rows (allocated before the region).
+struct TeamShared {
+  int64_t tokens, hidden, inter, k_padded;
+  bool own_rows;                     // a few rows: the row-wise steps each thread's own (OWN_ROWS)
+  at::Tensor stream[2], normed, post, h, delta, qkv, attended, gate_up, act, queries, xq, xs;
+
+  TeamShared(int64_t tokens_, int64_t hidden_, const std::vector<TeamLayer>& layers, const Heads& heads,
+             const at::TensorOptions& opts, int64_t other_k_padded = 1)   // other products' W8A8 rows
+      : tokens(tokens_), hidden(hidden_), inter(layers[0].gate_up.n_dim / 2), k_padded(other_k_padded),
+        own_rows(own_rows_enabled && tokens_ <= OWN_ROWS) {
+    for (const auto& layer : layers)
+      for (const auto* p : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) k_padded = std::max(k_padded, p->k_padded);
+    for (auto* t : {&stream[0], &stream[1], &normed, &post, &h, &delta}) *t = at::empty({tokens, hidden}, opts);
+    qkv = at::empty({tokens, layers[0].qkv.n_dim}, opts);
+    attended = at::empty({tokens, heads.q * heads.dim}, opts);
+    gate_up = at::empty({tokens, 2 * inter}, opts);
+    act = at::empty({tokens, inter}, opts);
+    queries = at::empty({tokens * heads.q * heads.dim}, opts.dtype(at::kFloat));
+    xq = at::empty({tokens, k_padded}, opts.dtype(at::kChar));
+    xs = at::empty({tokens}, opts.dtype(at::kFloat));
+  }
+};
+
+// One thread's view of a team's buffers: where own_rows, its own copies of the rows the row-wise steps
+// write (the stream, its norms, h, SwiGLU's output, W8A8's quantized rows); else the shared ones.
 template <typename T>
-at::Tensor team_dense_layers(const at::Tensor& x_in, const at::Tensor& rope, const std::vector<TeamLayer>& layers,
-                             const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
-                             const at::Tensor& rows, const at::Tensor& table, double eps, double qk_eps,
-                             const Heads& heads, double scale) {
-  const at::Tensor x0 = x_in.reshape({-1, x_in.size(-1)}).contiguous();
-  const int64_t tokens = x0.size(0), hidden = x0.size(1), inter = layers[0].gate_up.n_dim / 2;
-  const auto opts = x0.options();
-  int64_t k_padded = 0;
-  for (const auto& layer : layers)
-    for (const auto* p : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) k_padded = std::max(k_padded, p->k_padded);
-  at::Tensor stream[2] = {at::empty({tokens, hidden}, opts), at::empty({tokens, hidden}, opts)};
-  at::Tensor normed = at::empty({tokens, hidden}, opts), post = at::empty({tokens, hidden}, opts);
-  at::Tensor h = at::empty({tokens, hidden}, opts), delta = at::empty({tokens, hidden}, opts);
-  at::Tensor qkv = at::empty({tokens, layers[0].qkv.n_dim}, opts), attended = at::empty({tokens, heads.q * heads.dim}, opts);
-  at::Tensor gate_up = at::empty({tokens, 2 * inter}, opts), act = at::empty({tokens, inter}, opts);
-  at::Tensor queries = at::empty({tokens * heads.q * heads.dim}, opts.dtype(at::kFloat));
-  at::Tensor xq = at::empty({tokens, std::max<int64_t>(k_padded, 1)}, opts.dtype(at::kChar));
-  at::Tensor xs = at::empty({tokens}, opts.dtype(at::kFloat));
-  for (const auto& layer : layers)
-    check_attention(qkv, heads.q, heads.kv, heads.dim, layer.k_cache, layer.v_cache, q_start, q_len, kv_len, rows,
-                    table, rope);
-  const float feps = static_cast<float>(eps);
-  const bool own_rows = own_rows_enabled && tokens <= OWN_ROWS;
-  team_stacks += 1;
+struct TeamRows {
+  std::vector<T> own;
+  std::vector<int8_t> own_q;
+  std::vector<float> own_s;
+  T *normed, *h, *post, *act, *own_x;
+  int8_t* q8;
+  float* qs;
+
+  explicit TeamRows(const TeamShared& sh)
+      : own(sh.own_rows ? sh.tokens * (4 * sh.hidden + sh.inter) : 0),
+        own_q(sh.own_rows ? sh.tokens * sh.k_padded : 0), own_s(sh.own_rows ? sh.tokens : 0) {
+    normed = sh.own_rows ? own.data() : sh.normed.data_ptr<T>();
+    h = sh.own_rows ? normed + sh.tokens * sh.hidden : sh.h.data_ptr<T>();
+    post = sh.own_rows ? h + sh.tokens * sh.hidden : sh.post.data_ptr<T>();
+    act = sh.own_rows ? post + sh.tokens * sh.hidden : sh.act.data_ptr<T>();
+    own_x = sh.own_rows ? act + sh.tokens * sh.inter : nullptr;
+    q8 = sh.own_rows ? own_q.data() : sh.xq.data_ptr<int8_t>();
+    qs = sh.own_rows ? own_s.data() : sh.xs.data_ptr<float>();
+  }
+};
+
+// Where a batch's sequences sit (attention's layout) and the model's attention scalars.
+struct TeamBatch {
+  const at::Tensor &rope, &q_start, &q_len, &kv_len, &rows, &table;
+  float eps;
+  double qk_eps, scale;
+  Heads heads;
+};
+
+// The layers over x [tokens, hidden] (every thread reads it) inside a team region, run by every thread;
+// returns the stream after the last layer (the thread's own where own_rows, else a shared buffer).
+template <typename T>
+const T* team_layers_run(const T* x, const std::vector<TeamLayer>& layers, const TeamShared& sh, TeamRows<T>& mine,
+                         const TeamBatch& batch) {
+  const int64_t tokens = sh.tokens, hidden = sh.hidden, inter = sh.inter;
+  const bool own_rows = sh.own_rows;
+  T* dp = sh.delta.data_ptr<T>();
+  T* gp = sh.gate_up.data_ptr<T>();
+  // The row-wise steps: each thread all rows where own_rows (no barrier after), else spread.
+  auto norm = [&](const T* in, const at::Tensor& weight, T* out) {
+    if (!own_rows) return rms_norm_into(in, weight.data_ptr<T>(), out, tokens, hidden, batch.eps);
+    for (int64_t r = 0; r < tokens; ++r) rms_norm_rows(in + r * hidden, weight.data_ptr<T>(), out + r * hidden, hidden, batch.eps);
+  };
+  auto add_norm = [&](const T* in, const T* d, const at::Tensor& weight, T* sum, T* out) {
+    if (!own_rows) return add_rms_norm_into(in, d, weight.data_ptr<T>(), sum, out, tokens, hidden, batch.eps);
+    for (int64_t i = 0; i < tokens * hidden; ++i) sum[i] = round_to<T>(to_float(in[i]) + to_float(d[i]));
+    for (int64_t r = 0; r < tokens; ++r) rms_norm_rows(sum + r * hidden, weight.data_ptr<T>(), out + r * hidden, hidden, batch.eps);
+  };
+  if (layers[0].input_norm.defined()) norm(x, layers[0].input_norm, mine.normed);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const TeamLayer& layer = layers[i];
+    at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache, out = sh.attended;
+    team_linear(layer.input_norm.defined() ? mine.normed : x, tokens, hidden, layer.qkv, mine.q8, mine.qs,
+                sh.qkv.data_ptr<T>(), own_rows);
+    attention_impl<T>(sh.qkv, batch.heads, k_cache, v_cache, batch.q_start, batch.q_len, batch.kv_len, batch.rows,
+                      batch.table, batch.rope, layer.q_norm, layer.k_norm, batch.qk_eps, batch.scale, out,
+                      sh.queries.data_ptr<float>());
+    team_linear(sh.attended.data_ptr<T>(), tokens, batch.heads.q * batch.heads.dim, layer.o, mine.q8, mine.qs, dp, own_rows);
+    add_norm(x, dp, layer.post_norm, mine.h, mine.post);
+    team_linear(mine.post, tokens, hidden, layer.gate_up, mine.q8, mine.qs, gp, own_rows);
+    if (own_rows) {
+      const FlushSubnormals flush;
+      silu_rows(gp, 2 * inter, mine.act, 0, tokens, inter);
+    } else {
+      silu_mul_into(gp, 2 * inter, mine.act, tokens, inter);
+    }
+    team_linear(mine.act, tokens, inter, layer.down, mine.q8, mine.qs, dp, own_rows);
+    // the residual stream: h + down, and the next layer's norm of it
+    T* next = own_rows ? mine.own_x : sh.stream[i % 2].data_ptr<T>();
+    if (i + 1 < layers.size() && layers[i + 1].input_norm.defined()) {
+      add_norm(mine.h, dp, layers[i + 1].input_norm, next, mine.normed);
+    } else if (own_rows) {
+      for (int64_t j = 0; j < tokens * hidden; ++j) next[j] = round_to<T>(to_float(mine.h[j]) + to_float(dp[j]));
+    } else {
+      add_into(mine.h, dp, next, tokens, hidden);
+    }
+    x = next;
+  }
+  return x;
+}
+
+// f(team) on every thread of one region (a Team); an exception from a loop or from f is rethrown after it.
+// f must throw outside a loop only where every thread throws (the same check on the same values).
+template <typename F>
+void in_team(const F& f) {
   std::atomic<bool> failed{false};
   std::exception_ptr error;
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -1720,68 +1804,33 @@ at::Tensor team_dense_layers(const at::Tensor& x_in, const at::Tensor& rope, con
     const Team team{omp_get_thread_num(), omp_get_num_threads(), &failed, &error};
     current_team = &team;
     try {
-      // Where `own_rows`, the thread's own copies of the rows the row-wise steps write (the stream, its
-      // norms, h, SwiGLU's output, W8A8's quantized rows); else the shared buffers, the steps spread.
-      std::vector<T> own(own_rows ? tokens * (4 * hidden + inter) : 0);
-      std::vector<int8_t> own_q(own_rows ? tokens * std::max<int64_t>(k_padded, 1) : 0);
-      std::vector<float> own_s(own_rows ? tokens : 0);
-      T* nq = own_rows ? own.data() : normed.data_ptr<T>();
-      T* hp = own_rows ? nq + tokens * hidden : h.data_ptr<T>();
-      T* pp = own_rows ? hp + tokens * hidden : post.data_ptr<T>();
-      T* ap = own_rows ? pp + tokens * hidden : act.data_ptr<T>();
-      T* own_x = own_rows ? ap + tokens * inter : nullptr;
-      int8_t* q8 = own_rows ? own_q.data() : xq.data_ptr<int8_t>();
-      float* qs = own_rows ? own_s.data() : xs.data_ptr<float>();
-      T* dp = delta.data_ptr<T>();
-      T* gp = gate_up.data_ptr<T>();
-      // The row-wise steps: each thread all rows where own_rows (no barrier after), else spread.
-      auto norm = [&](const T* x, const at::Tensor& weight, T* out) {
-        if (!own_rows) return rms_norm_into(x, weight.data_ptr<T>(), out, tokens, hidden, feps);
-        for (int64_t r = 0; r < tokens; ++r) rms_norm_rows(x + r * hidden, weight.data_ptr<T>(), out + r * hidden, hidden, feps);
-      };
-      auto add_norm = [&](const T* x, const T* d, const at::Tensor& weight, T* sum, T* out) {
-        if (!own_rows) return add_rms_norm_into(x, d, weight.data_ptr<T>(), sum, out, tokens, hidden, feps);
-        for (int64_t i = 0; i < tokens * hidden; ++i) sum[i] = round_to<T>(to_float(x[i]) + to_float(d[i]));
-        for (int64_t r = 0; r < tokens; ++r) rms_norm_rows(sum + r * hidden, weight.data_ptr<T>(), out + r * hidden, hidden, feps);
-      };
-      const T* x = x0.data_ptr<T>();
-      if (layers[0].input_norm.defined()) norm(x, layers[0].input_norm, nq);
-      for (size_t i = 0; i < layers.size(); ++i) {
-        const TeamLayer& layer = layers[i];
-        at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache, out = attended;
-        team_linear(layer.input_norm.defined() ? nq : x, tokens, hidden, layer.qkv, q8, qs, qkv.data_ptr<T>(), own_rows);
-        attention_impl<T>(qkv, heads, k_cache, v_cache, q_start, q_len, kv_len, rows, table, rope, layer.q_norm,
-                          layer.k_norm, qk_eps, scale, out, queries.data_ptr<float>());
-        team_linear(attended.data_ptr<T>(), tokens, heads.q * heads.dim, layer.o, q8, qs, dp, own_rows);
-        add_norm(x, dp, layer.post_norm, hp, pp);
-        team_linear(pp, tokens, hidden, layer.gate_up, q8, qs, gp, own_rows);
-        if (own_rows) {
-          const FlushSubnormals flush;
-          silu_rows(gp, 2 * inter, ap, 0, tokens, inter);
-        } else {
-          silu_mul_into(gp, 2 * inter, ap, tokens, inter);
-        }
-        team_linear(ap, tokens, inter, layer.down, q8, qs, dp, own_rows);
-        // the residual stream: h + down, and the next layer's norm of it
-        T* next = own_rows ? own_x : stream[i % 2].data_ptr<T>();
-        if (i + 1 < layers.size() && layers[i + 1].input_norm.defined()) {
-          add_norm(hp, dp, layers[i + 1].input_norm, next, nq);
-        } else if (own_rows) {
-          for (int64_t j = 0; j < tokens * hidden; ++j) next[j] = round_to<T>(to_float(hp[j]) + to_float(dp[j]));
-        } else {
-          add_into(hp, dp, next, tokens, hidden);
-        }
-        x = next;
-      }
-      if (own_rows && team.rank == 0 && !failed.load())
-        std::memcpy(stream[(layers.size() - 1) % 2].data_ptr<T>(), own_x, tokens * hidden * sizeof(T));
-    } catch (...) {                   // thrown outside a loop: by every thread at the same check
+      f(team);
+    } catch (...) {
       if (!failed.exchange(true)) error = std::current_exception();
     }
     current_team = nullptr;
   }
   if (error) std::rethrow_exception(error);
-  return stream[(layers.size() - 1) % 2].view(x_in.sizes());
+}
+
+// dense_layers with every thread in one region for the whole stack (Team): the same kernels on the
+// same rows, so the same values as layer after layer, region after region.
+template <typename T>
+at::Tensor team_dense_layers(const at::Tensor& x_in, const std::vector<TeamLayer>& layers, const TeamBatch& batch) {
+  const at::Tensor x0 = x_in.reshape({-1, x_in.size(-1)}).contiguous();
+  const TeamShared sh(x0.size(0), x0.size(1), layers, batch.heads, x0.options());
+  for (const auto& layer : layers)
+    check_attention(sh.qkv, batch.heads.q, batch.heads.kv, batch.heads.dim, layer.k_cache, layer.v_cache,
+                    batch.q_start, batch.q_len, batch.kv_len, batch.rows, batch.table, batch.rope);
+  team_stacks += 1;
+  at::Tensor out = sh.stream[(layers.size() - 1) % 2];
+  in_team([&](const Team& team) {
+    TeamRows<T> mine(sh);
+    const T* x = team_layers_run(x0.data_ptr<T>(), layers, sh, mine, batch);
+    if (sh.own_rows && team.rank == 0 && !team.failed->load())
+      std::memcpy(out.data_ptr<T>(), x, sh.tokens * sh.hidden * sizeof(T));
+  });
+  return out.view(x_in.sizes());
 }
 
 // The stack in one region where a team runs it (teams on, team_layers' conditions), else nullopt.
@@ -1794,10 +1843,10 @@ c10::optional<at::Tensor> stack_in_team(const at::Tensor& x_in, const at::Tensor
   if (!teams_enabled || layers.empty()) return c10::nullopt;
   const auto team = team_layers(x_in, k_caches, v_caches, layers, num_heads, num_kv_heads, head_dim);
   if (team.empty()) return c10::nullopt;
-  const Heads heads{num_heads, num_kv_heads, head_dim};
-  if (x_in.scalar_type() == at::kBFloat16)
-    return team_dense_layers<c10::BFloat16>(x_in, rope, team, q_start, q_len, kv_len, rows, table, eps, qk_eps, heads, scale);
-  return team_dense_layers<float>(x_in, rope, team, q_start, q_len, kv_len, rows, table, eps, qk_eps, heads, scale);
+  const TeamBatch batch{rope, q_start, q_len, kv_len, rows, table, static_cast<float>(eps), qk_eps, scale,
+                        Heads{num_heads, num_kv_heads, head_dim}};
+  if (x_in.scalar_type() == at::kBFloat16) return team_dense_layers<c10::BFloat16>(x_in, team, batch);
+  return team_dense_layers<float>(x_in, team, batch);
 }
 
 // One pre-norm decoder layer of the dense models (engine/models/llama.py: DecoderLayer with a GatedMLP)
@@ -1930,6 +1979,18 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids_in, 
 // A draft step's choice: each row's argmax (the first of equal maxima, or the first NaN, as torch's
 // max) and its softmax probability 1 / sum_j e^(l_j - max), in one pass over the logits where the
 // torch path (spec/chains.py: top_choice) runs five operators.
+void top_of_row(const float* row, int64_t vocab, int64_t* top, float* confidence) {
+  float best = row[0];
+  int64_t at = 0;
+  for (int64_t j = 0; j < vocab && !std::isnan(best); ++j)
+    if (row[j] > best || std::isnan(row[j])) best = row[j], at = j;
+  float total = 0.f;
+_Pragma("omp simd reduction(+ : total)")
+  for (int64_t j = 0; j < vocab; ++j) total += fast_exp(row[j] - best);
+  *top = at;
+  *confidence = 1.f / total;
+}
+
 std::tuple<at::Tensor, at::Tensor> top_choice(const at::Tensor& logits_in) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "top_choice: logits must be [rows, vocab > 0]");
   const auto logits = logits_in.to(at::kFloat).contiguous();
@@ -1940,19 +2001,103 @@ std::tuple<at::Tensor, at::Tensor> top_choice(const at::Tensor& logits_in) {
   const float* lp = logits.data_ptr<float>();
   int64_t* tp = top.data_ptr<int64_t>();
   float* cp = confidence.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = lp + r * vocab;
-    float best = row[0];
-    int64_t at = 0;
-    for (int64_t j = 0; j < vocab && !std::isnan(best); ++j)
-      if (row[j] > best || std::isnan(row[j])) best = row[j], at = j;
-    float total = 0.f;
-_Pragma("omp simd reduction(+ : total)")
-    for (int64_t j = 0; j < vocab; ++j) total += fast_exp(row[j] - best);
-    tp[r] = at;
-    cp[r] = 1.f / total;
-  }
+  for (int64_t r = 0; r < rows; ++r) top_of_row(lp + r * vocab, vocab, tp + r, cp + r);
   return {top, confidence};
+}
+
+std::atomic<int64_t> team_chains{0};      // chains run in a team since the module loaded (tests)
+int64_t team_chains_run() { return team_chains.load(); }
+
+// eagle_chain (below) with every thread in one region for the whole chain (a Team): where the head's
+// fc, its layer and its LM head run in a team (team_product, team_layers) and the batch is a few rows
+// (OWN_ROWS). Each thread gathers the embeddings and runs the keep rule itself, on the same values; the
+// products, the layer's attention and the choice are shared out. The same kernels on the same rows, step
+// after step, without a region opened or a tensor made between them. nullopt: the chain runs as below.
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> team_eagle_chain(
+    const at::Tensor& first, const at::Tensor& hidden, const at::Tensor& start, const at::Tensor& table, int64_t steps,
+    const at::Tensor& keep_in, double threshold, const at::Tensor& embed, const at::Tensor& inv_freq,
+    const TeamProduct& fc, const TeamProduct& head, const std::vector<TeamLayer>& layer, double eps, double qk_eps,
+    const Heads& heads, double scale) {
+  const int64_t batch = first.numel(), width = fc.n_dim, e_width = embed.size(1), vocab = head.n_dim;
+  const int64_t* first_ids = first.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(first_ids[b] >= 0 && first_ids[b] < embed.size(0), "eagle_chain: draft ", first_ids[b],
+                " outside the vocabulary (", embed.size(0), ")");
+  const auto dtype = embed.scalar_type();
+  check_team_product(fc, e_width + width, dtype, "fc");
+  check_team_product(head, width, dtype, "LM head");
+  TORCH_CHECK(hidden.size(1) == width && vocab <= embed.size(0), "eagle_chain: hidden [B, ", width, "] and an LM head "
+              "over at most the vocabulary");
+  const at::Tensor g0 = hidden.to(dtype).contiguous();
+  const at::Tensor rows = at::arange(batch, first.options()), ones = at::ones_like(first);
+  std::vector<at::Tensor> kv_lens, ropes;                // each step's positions, made before the region
+  for (int64_t i = 1; i <= steps; ++i) {
+    kv_lens.push_back(start + i);                          // the new token at position start + i - 1
+    ropes.push_back(rope_table(rows, ones, kv_lens.back(), batch, inv_freq));
+  }
+  const TeamShared sh(batch, width, layer, heads, embed.options(), std::max(fc.k_padded, head.k_padded));
+  for (int64_t i = 0; i < steps; ++i)
+    check_attention(sh.qkv, heads.q, heads.kv, heads.dim, layer[0].k_cache, layer[0].v_cache, rows, ones, kv_lens[i],
+                    rows, table, ropes[i]);
+  at::Tensor fc_out = at::empty({batch, width}, embed.options()), logits = at::empty({batch, vocab}, embed.options());
+  std::vector<int64_t> top(batch);
+  std::vector<float> confidence(batch);
+  std::vector<std::vector<int64_t>> drafts;              // rank 0's: each step's drafts, then what each row kept
+  std::vector<std::vector<bool>> kept;
+  team_chains += 1;
+  in_team([&](const Team& team) {
+    TeamRows<T> mine(sh);
+    std::vector<T> x(batch * (e_width + width));
+    std::vector<float> row(vocab);
+    std::vector<int64_t> draft(first_ids, first_ids + batch);
+    std::vector<bool> keep(batch);
+    for (int64_t b = 0; b < batch; ++b) keep[b] = keep_in.data_ptr<bool>()[b];
+    const T* g = g0.data_ptr<T>();
+    const T* emb = embed.data_ptr<T>();
+    for (int64_t i = 1; i <= steps; ++i) {
+      for (int64_t b = 0; b < batch; ++b) {               // cat(embed[d], g)
+        std::memcpy(x.data() + b * (e_width + width), emb + draft[b] * e_width, e_width * sizeof(T));
+        std::memcpy(x.data() + b * (e_width + width) + e_width, g + b * width, width * sizeof(T));
+      }
+      team_linear(x.data(), batch, e_width + width, fc, mine.q8, mine.qs, fc_out.data_ptr<T>(), true);
+      const TeamBatch step{ropes[i - 1], rows, ones, kv_lens[i - 1], rows, table, static_cast<float>(eps), qk_eps,
+                           scale, heads};
+      g = team_layers_run(fc_out.data_ptr<T>(), layer, sh, mine, step);
+      team_linear(g, batch, width, head, mine.q8, mine.qs, logits.data_ptr<T>(), true);
+      spread(0, batch, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          const T* l = logits.data_ptr<T>() + b * vocab;
+          for (int64_t j = 0; j < vocab; ++j) row[j] = to_float(l[j]);
+          top_of_row(row.data(), vocab, &top[b], &confidence[b]);
+        }
+      });
+      bool any = false;                                    // the keep rule: NaN keeps
+      for (int64_t b = 0; b < batch; ++b) {
+        keep[b] = keep[b] && !(confidence[b] < threshold);
+        any = any || keep[b];
+      }
+      if (!any) break;                                     // every thread: the same values, the same end
+      draft = top;
+      if (team.rank == 0) {
+        drafts.push_back(top);
+        kept.push_back(keep);
+      }
+    }
+  });
+  const int64_t m = static_cast<int64_t>(drafts.size());
+  auto out = at::empty({batch, 1 + m}, first.options());
+  auto kept_out = at::empty({m, batch}, keep_in.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  bool* kp = kept_out.data_ptr<bool>();
+  for (int64_t b = 0; b < batch; ++b) {
+    op[b * (1 + m)] = first_ids[b];
+    for (int64_t i = 0; i < m; ++i) {
+      op[b * (1 + m) + 1 + i] = drafts[i][b];
+      kp[i * batch + b] = kept[i][b];
+    }
+  }
+  return {out, kept_out};
 }
 
 // An EAGLE-1 head's greedy draft chain in one call (engine/models/eagle.py: LlamaForCausalLMEagle.draft_chain),
@@ -1976,6 +2121,22 @@ std::tuple<at::Tensor, at::Tensor> eagle_chain(
               "eagle_chain: first, start, keep [B], hidden [B, H] and table [B, W] must agree");
   check_layer_list(w, "eagle_chain");
   TORCH_CHECK(steps >= 0, "eagle_chain: steps must be >= 0");
+  const auto dtype = embed.scalar_type();
+  if (teams_enabled && own_rows_enabled && steps > 0 && batch > 0 && batch <= OWN_ROWS &&
+      (dtype == at::kBFloat16 || dtype == at::kFloat) && first.is_contiguous() && keep_in.is_contiguous() &&
+      embed.is_contiguous() && embed.dim() == 2) {
+    const auto fc = team_product(fc_w, fc_b, fc_s, dtype), head = team_product(head_w, {}, head_s, dtype);
+    const auto layer = fc && head ? team_layers(hidden.to(dtype), {k_cache}, {v_cache}, {w}, num_heads, num_kv_heads, head_dim)
+                                  : std::vector<TeamLayer>{};
+    if (!layer.empty() && fc->n_dim == hidden.size(1)) {
+      const Heads heads{num_heads, num_kv_heads, head_dim};
+      if (dtype == at::kBFloat16)
+        return team_eagle_chain<c10::BFloat16>(first, hidden, start, table, steps, keep_in, threshold, embed, inv_freq,
+                                               *fc, *head, layer, eps, qk_eps, heads, scale);
+      return team_eagle_chain<float>(first, hidden, start, table, steps, keep_in, threshold, embed, inv_freq, *fc,
+                                     *head, layer, eps, qk_eps, heads, scale);
+    }
+  }
   const auto rows = at::arange(batch, first.options());
   const auto ones = at::ones_like(first);
   std::vector<at::Tensor> drafts{first}, kept;
@@ -2054,6 +2215,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");
   m.def("set_teams", &set_teams, "off: dense_layers opens a parallel region per loop, not one for the stack (benchmarks)");
   m.def("set_own_rows", &set_own_rows, "off: a team's row-wise steps spread across it at every row count (benchmarks)");
+  m.def("team_chains_run", &team_chains_run, "EAGLE chains run in one parallel region since the module loaded");
   m.def("team_stacks_run", &team_stacks_run, "layer stacks run in one parallel region since the module loaded");
   m.def("set_wide_row_runs", &set_wide_row_runs, "off: the float vector passes read four rows at a time (benchmarks)");
   m.def("w8a8_linear", &w8a8_linear, "int8 weights against each row of x quantized to int8, int32 sums", release);

@@ -536,12 +536,13 @@ def draft_step_by_step(head, first, hidden, start, table, kv, steps, keep, thres
 
 
 @pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8_int8"])
 @pytest.mark.parametrize("trim", ["none", "rows-drop", "early-end"])
-def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, trim):
+def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, trim, two_threads):
     """eagle_chain (LlamaForCausalLMEagle.draft_chain) against the worker's loop from Python: the
     same drafts, the same rows kept, the chain ending at the same step, the same keys and values in
-    the cache. The head reads a prompt of repeated tokens, so its drafts are confident."""
+    the cache. The head reads a prompt of repeated tokens, so its drafts are confident. Where its
+    products run in a team (packed weights, W8A8), the whole chain runs in one parallel region."""
     from engine.models.loader import load_draft, load_model
     from engine.models.testing import PagedRunner
     target = load_model(DENSE, dtype, "cpu", cpu_kernels="native", quantization=quantization)[0]
@@ -565,8 +566,12 @@ def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, tr
         threshold = {"none": float("-inf"), "rows-drop": confidences.median().item(),
                      "early-end": confidences[0].max().item() + 1e-3}[trim]
         drafts, kept, _ = draft_step_by_step(head, first, hidden, start, table, runners[0].kv, steps, keep, threshold)
+        before = kernels.team_chains_run()
         native_drafts, native_kept = head.draft_chain(first, hidden, start, table, runners[1].kv, steps, keep,
                                                       threshold)
+    in_team = quantization == "w8a8_int8" or (quantization is None and dtype == torch.bfloat16 and PACKED_BF16) \
+        or (quantization is None and dtype == torch.float32 and PACKED_F32)
+    assert kernels.team_chains_run() - before == in_team
     assert torch.equal(native_drafts, drafts) and torch.equal(native_kept, kept)
     assert {"none": kept.shape[0] == steps and torch.equal(kept[-1], keep),
             "rows-drop": kept.shape[0] >= 1 and not torch.equal(kept[-1], keep) or kept.shape[0] < steps,
@@ -575,7 +580,7 @@ def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, tr
 
 
 @pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8_int8"])
 def test_the_native_extend_is_the_heads_modules(dtype, quantization):
     """eagle_extend (LlamaForCausalLMEagle.extend_native) against what the EAGLE worker's extend runs
     from Python: the head over verify-like runs of 1, 3 and 5 tokens a row (after prompts of different
