@@ -5,6 +5,10 @@ its extend over a verify's tokens (extend_native: eagle_extend, against forward,
 compute_logits and top_choice from Python).
 
     python bench/draft_chain.py --threads 2 [--dtype bfloat16] [--rows 1,16] [--steps 4]
+    python bench/draft_chain.py --against regions [--quantization w8a8_int8]
+
+`--against regions`: the native call against itself with a parallel region per kernel loop
+(`set_teams(False)`), not the loop from Python: what running the chain's steps in one region gains.
 
 Each of `rows` sequences holds --context tokens of a repeated prompt; a chain drafts --steps tokens
 after the first with no trim (every step runs), so both ways do the same work; an extend reads
@@ -50,6 +54,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--against", default="python", choices=["python", "regions"],
+                        help="the other way: the loop from Python, or the native call a region a loop")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -57,13 +63,28 @@ def main() -> None:
     head = load_draft(args.draft, target, dtype, "cpu", cpu_kernels="native", quantization=args.quantization)[0]
     print(f"{Path(args.draft).name}, {args.dtype}, {args.quantization or 'unquantized'} head, {args.threads} threads, "
           f"{args.steps} steps a chain, context {args.context}")
+    chain_words, extend_words, native_words = ("step by step", "from Python", "in one native call") \
+        if args.against == "python" else ("a region a loop", "a region a loop", "in one region")
     for rows in (int(r) for r in args.rows.split(",")):
-        python_us, native_us, same = time_chains(head, rows, dtype, args)
-        print(f"rows {rows:3d}: a draft step {python_us:7.1f} us step by step, {native_us:7.1f} us in one native "
-              f"call ({native_us / python_us:.2f}x); same drafts: {same}")
-        python_us, native_us, same = time_extends(head, rows, dtype, args)
-        print(f"rows {rows:3d}: an extend {python_us:7.1f} us from Python, {native_us:7.1f} us in one native "
-              f"call ({native_us / python_us:.2f}x); same drafts: {same}")
+        other_us, native_us, same = time_chains(head, rows, dtype, args)
+        print(f"rows {rows:3d}: a draft step {other_us:7.1f} us {chain_words}, {native_us:7.1f} us {native_words} "
+              f"({native_us / other_us:.2f}x); same drafts: {same}")
+        other_us, native_us, same = time_extends(head, rows, dtype, args)
+        print(f"rows {rows:3d}: an extend {other_us:7.1f} us {extend_words}, {native_us:7.1f} us {native_words} "
+              f"({native_us / other_us:.2f}x); same drafts: {same}")
+
+
+def in_regions(native):
+    """native() with a parallel region per kernel loop (the kernels' set_teams(False)), then teams back on."""
+    from devices.cpu_native import build
+
+    def run():
+        build().set_teams(False)
+        try:
+            return native()
+        finally:
+            build().set_teams(True)
+    return run
 
 
 @torch.inference_mode()
@@ -79,8 +100,9 @@ def time_chains(head, rows: int, dtype: torch.dtype, args) -> tuple[float, float
     hidden, first = g[last], head.compute_logits(g[last]).argmax(-1)
     chain = (first, hidden, torch.full((rows,), args.context), runner.req_to_slot, runner.kv, args.steps)
     keep = torch.ones(rows, dtype=torch.bool)
-    return time_both(functools.partial(step_by_step, head, *chain),
-                     lambda: head.draft_chain(*chain, keep, float("-inf"))[0], args.repeats, args.steps)
+    native = lambda: head.draft_chain(*chain, keep, float("-inf"))[0]  # noqa: E731
+    other = functools.partial(step_by_step, head, *chain) if args.against == "python" else in_regions(native)
+    return time_both(other, native, args.repeats, args.steps)
 
 
 @torch.inference_mode()
@@ -99,12 +121,13 @@ def time_extends(head, rows: int, dtype: torch.dtype, args) -> tuple[float, floa
     def from_python() -> torch.Tensor:
         return top_choice(head.compute_logits(head(ids, features, batch)[pick]), True, head.kernels)[0]
 
-    return time_both(from_python, lambda: head.extend_native(ids, features, batch, pick)[1], args.repeats)
+    native = lambda: head.extend_native(ids, features, batch, pick)[1]  # noqa: E731
+    return time_both(from_python if args.against == "python" else in_regions(native), native, args.repeats)
 
 
 def time_both(python, native, repeats: int, per: int = 1) -> tuple[float, float, bool]:
-    """(median µs / per of python(), of native(), whether both gave the same drafts), the two alternating
-    --repeats times (the first five of each left out)."""
+    """(median µs / per of python() (the other way), of native(), whether both gave the same drafts), the
+    two alternating --repeats times (the first five of each left out)."""
     same = torch.equal(native(), python())
     times: dict[str, list[float]] = {"python": [], "native": []}
     for _ in range(repeats):

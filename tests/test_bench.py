@@ -711,6 +711,16 @@ def test_verify_rows_times_both_ways_and_finds_the_same_logits():
     assert all("in one region" in line and line.endswith("same logits: True") for line in lines)
 
 
+def test_draft_chain_times_the_chain_both_ways_and_finds_the_same_drafts():
+    for against, words in (("python", "step by step"), ("regions", "a region a loop")):
+        result = cli("bench/draft_chain.py", "--rows", "1,2", "--steps", "2", "--context", "16", "--repeats", "7",
+                     "--quantization", "w8a8_int8", "--against", against, timeout=300)
+        assert result.returncode == 0, result.stderr
+        lines = [line for line in result.stdout.splitlines() if line.startswith("rows ")]
+        assert len(lines) == 4 and all(line.endswith("same drafts: True") for line in lines)
+        assert words in lines[0]
+
+
 def test_perplexity_scores_held_out_tokens_for_each_variant(tmp_path):
     out = tmp_path / "ppl.json"
     result = cli("tools/perplexity.py", "--max-tokens", "600", "--window", "128", "--variant", "none",
