@@ -97,8 +97,9 @@ def runs_packed(model, dtype) -> bool:
     return any(w is not None and w.dim() == packed_dims and w.dtype == dtype for w in weights)
 
 
-def describe_cpu_path(model) -> str:
-    """The start-up log's line: which path the layers run, and what the CPU offers."""
+def describe_cpu_path(model, threads: int | None = None) -> str:
+    """The start-up log's line: which path the layers run, and what the CPU offers. `threads`: the
+    stream's (default: this thread's torch threads)."""
     import torch
 
     kernels = next((m.kernels for m in model.modules() if getattr(m, "kernels", None) is not None), None)
@@ -110,7 +111,7 @@ def describe_cpu_path(model) -> str:
               else "float32 weights packed for AVX-512 vectors" if runs_packed(model, torch.float32) else "")
     tiled = f"; {packed}, their products native at every row count" if packed else ""
     w8a8 = describe_w8a8(model, kernels)
-    threads = torch.get_num_threads()
+    threads = threads or torch.get_num_threads()
     team = (f"; each layer stack in one parallel region of {threads} threads" if (packed or w8a8) and threads > 1
             else "")
     return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "

@@ -4,6 +4,7 @@ tokens are those of transformers running the same weights in bfloat16."""
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 
 import pytest
@@ -42,7 +43,11 @@ def test_the_default_server_says_it_runs_bfloat16(tmp_path):
         request = urllib.request.Request(f"{server.url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             assert json.load(response)["choices"][0]["text"]
-    assert "dtype bfloat16 (--dtype auto" in (tmp_path / "server.log").read_text()
+    log = (tmp_path / "server.log").read_text()
+    assert "dtype bfloat16 (--dtype auto" in log
+    threads = os.cpu_count() or 1            # the stream's threads (engine/rank_main.py: cpu_threads)
+    assert (f"each layer stack in one parallel region of {threads} threads" in log) == (
+        kernels.bf16_packed_run() and threads > 1)
 
 
 @pytest.mark.slow
