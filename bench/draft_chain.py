@@ -74,16 +74,14 @@ def main() -> None:
               f"({native_us / other_us:.2f}x); same drafts: {same}")
 
 
-def in_regions(native):
+def in_regions(native, kernels):
     """native() with a parallel region per kernel loop (the kernels' set_teams(False)), then teams back on."""
-    from devices.cpu_native import build
-
     def run():
-        build().set_teams(False)
+        kernels.set_teams(False)
         try:
             return native()
         finally:
-            build().set_teams(True)
+            kernels.set_teams(True)
     return run
 
 
@@ -101,7 +99,8 @@ def time_chains(head, rows: int, dtype: torch.dtype, args) -> tuple[float, float
     chain = (first, hidden, torch.full((rows,), args.context), runner.req_to_slot, runner.kv, args.steps)
     keep = torch.ones(rows, dtype=torch.bool)
     native = lambda: head.draft_chain(*chain, keep, float("-inf"))[0]  # noqa: E731
-    other = functools.partial(step_by_step, head, *chain) if args.against == "python" else in_regions(native)
+    other = functools.partial(step_by_step, head, *chain) if args.against == "python" \
+        else in_regions(native, head.kernels)
     return time_both(other, native, args.repeats, args.steps)
 
 
@@ -122,7 +121,8 @@ def time_extends(head, rows: int, dtype: torch.dtype, args) -> tuple[float, floa
         return top_choice(head.compute_logits(head(ids, features, batch)[pick]), True, head.kernels)[0]
 
     native = lambda: head.extend_native(ids, features, batch, pick)[1]  # noqa: E731
-    return time_both(from_python if args.against == "python" else in_regions(native), native, args.repeats)
+    other = from_python if args.against == "python" else in_regions(native, head.kernels)
+    return time_both(other, native, args.repeats)
 
 
 def time_both(python, native, repeats: int, per: int = 1) -> tuple[float, float, bool]:

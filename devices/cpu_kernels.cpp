@@ -7,7 +7,7 @@
 // small operators. The matrix products of a few rows (decode, verify, draft steps) run here too,
 // float32 and bf16 (float_linear) and weight-only int8 (int8_linear), where reading the weights is
 // the cost; larger ones stay with torch (oneDNN/MKL), except bf16 weights packed for AMX tiles or
-// AVX512-BF16 vectors (tile_product) and W8A8's (w8a8_linear), which run here at every row count. Loaded by
+// AVX512-BF16 vectors (packed_product) and W8A8's (w8a8_linear), which run here at every row count. Loaded by
 // devices/cpu_native.py, which falls back to the pure-torch path when this does not build.
 //
 // Layout (engine/models/attention.py: SeqLayout): sequence b owns tokens q_start[b] ..
@@ -116,6 +116,13 @@ void spread(int64_t begin, int64_t end, int64_t grain, const F& f) {
 #pragma omp barrier
 }
 
+// f over rows [0, rows): all on this thread where `alone` (a team's rows of its own: OWN_ROWS), else spread.
+template <typename F>
+void row_loop(int64_t rows, int64_t grain, bool alone, const F& f) {
+  if (alone) return f(0, rows);
+  spread(0, rows, grain, f);
+}
+
 // e^x to about 1 ulp for x in [-87, 88] (clamped there): Cephes' range reduction and polynomial,
 // written so that the compiler vectorizes a loop of it (libm's expf is a call per element, and was
 // most of the softmax's and the SiLU's time).
@@ -222,18 +229,19 @@ _Pragma("omp simd reduction(+ : sum)")
   }
 }
 
-// The row loops of rms_norm, add_rms_norm and silu_mul on raw rows (in a team: this thread's rows).
+// The row loops of rms_norm, add_rms_norm and silu_mul on raw rows (row_loop: spread, or all rows on
+// this thread where `alone`).
 template <typename T>
-void rms_norm_into(const T* x, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
-  spread(0, rows, 16, [&](int64_t begin, int64_t end) {
+void rms_norm_into(const T* x, const T* weight, T* out, int64_t rows, int64_t width, float eps, bool alone = false) {
+  row_loop(rows, 16, alone, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_rows(x + r * width, weight, out + r * width, width, eps);
   });
 }
 
 template <typename T>
 void add_rms_norm_into(const T* x, const T* delta, const T* weight, T* h, T* out, int64_t rows, int64_t width,
-                       float eps) {
-  spread(0, rows, 16, [&](int64_t begin, int64_t end) {
+                       float eps, bool alone = false) {
+  row_loop(rows, 16, alone, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t j = 0; j < width; ++j) h[r * width + j] = round_to<T>(to_float(x[r * width + j]) + to_float(delta[r * width + j]));
       rms_norm_rows(h + r * width, weight, out + r * width, width, eps);
@@ -242,25 +250,20 @@ void add_rms_norm_into(const T* x, const T* delta, const T* weight, T* h, T* out
 }
 
 template <typename T>
-void silu_rows(const T* gate_up, int64_t stride, T* out, int64_t begin, int64_t end, int64_t inter) {
-  for (int64_t r = begin; r < end; ++r) {
-    const T* g = gate_up + r * stride;
-    const T* u = g + inter;
-    T* o = out + r * inter;
-_Pragma("omp simd")
-    for (int64_t j = 0; j < inter; ++j) {
-      const float gate = to_float(g[j]);
-      const T act = round_to<T>(gate / (1.f + fast_exp(-gate)));
-      o[j] = round_to<T>(to_float(act) * to_float(u[j]));
-    }
-  }
-}
-
-template <typename T>
-void silu_mul_into(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t inter) {
-  spread(0, rows, 8, [&](int64_t begin, int64_t end) {
+void silu_mul_into(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t inter, bool alone = false) {
+  row_loop(rows, 8, alone, [&](int64_t begin, int64_t end) {
     const FlushSubnormals flush;
-    silu_rows(gate_up, stride, out, begin, end, inter);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+_Pragma("omp simd")
+      for (int64_t j = 0; j < inter; ++j) {
+        const float gate = to_float(g[j]);
+        const T act = round_to<T>(gate / (1.f + fast_exp(-gate)));
+        o[j] = round_to<T>(to_float(act) * to_float(u[j]));
+      }
+    }
   });
 }
 
@@ -897,7 +900,7 @@ ProductOperands product_operands(const at::Tensor& x_in, int64_t k_dim, int64_t 
   return ops;
 }
 
-// The products on AMX's tile units, where the CPU has them: bf16 (amx_bf16, tile_product) and int8
+// The products on AMX's tile units, where the CPU has them: bf16 (amx_bf16, packed_product) and int8
 // (amx_int8, w8a8_linear). W is packed once at load into 1 KB blocks of 16 output columns, each the B
 // operand of one tile multiply (16 rows of 64 bytes: 32 bf16 pairs or 64 int8 quads of a column),
 // the blocks of 16 columns one after another along K. A tile multiply sums 16 x 32 bf16 products per
@@ -1158,8 +1161,8 @@ std::string bf16_packed_products() {
   return bf16_tiles_run() ? "AMX tiles" : HAS_BF16_PRODUCT ? "AVX512-BF16 vectors" : "";
 }
 
-// y [rows, N] = x [rows, K] . W (+ bias) for a bf16 weight in tile_product's packed form, on raw rows.
-void tile_product_into(const c10::BFloat16* xp, int64_t rows, const at::Tensor& packed, const c10::BFloat16* bp,
+// y [rows, N] = x [rows, K] . W (+ bias) for a bf16 weight in the packed bf16 form, on raw rows.
+void packed_into(const c10::BFloat16* xp, int64_t rows, const at::Tensor& packed, const c10::BFloat16* bp,
                        c10::BFloat16* yp) {
 #if defined(__AVX512BF16__)
   const int64_t n_blocks = packed.size(0), k_dim = packed.size(1) * 2 * BF16_PAIRS, n_dim = n_blocks * TILE_COLS;
@@ -1175,20 +1178,12 @@ void tile_product_into(const c10::BFloat16* xp, int64_t rows, const at::Tensor& 
       },
       float_sums_store(yp, bp, n_dim));
 #else
-  TORCH_CHECK(false, "tile_product: built without AVX512-BF16");
+  TORCH_CHECK(false, "packed_product: built without AVX512-BF16");
 #endif
 }
 
-at::Tensor tile_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  const int64_t k_dim = packed.size(1) * 32, n_dim = packed.size(0) * TILE_COLS;
-  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
-  tile_product_into(ops.x.data_ptr<c10::BFloat16>(), ops.x.size(0), packed,
-                    bias ? ops.bias.data_ptr<c10::BFloat16>() : nullptr, ops.y.data_ptr<c10::BFloat16>());
-  return ops.y.view(ops.out_shape);
-}
-
-// y [rows, N] = x [rows, K] . W (+ bias) for a float32 weight in f32_packed_product's form, on raw rows.
-void f32_packed_into(const float* xp, int64_t rows, const at::Tensor& packed, const float* bp, float* yp) {
+// y [rows, N] = x [rows, K] . W (+ bias) for a float32 weight in the packed float32 form, on raw rows.
+void packed_into(const float* xp, int64_t rows, const at::Tensor& packed, const float* bp, float* yp) {
 #if defined(__AVX512F__)
   const int64_t n_blocks = packed.size(0), k_dim = packed.size(1), n_dim = n_blocks * TILE_COLS;
   const float* wp = packed.data_ptr<float>();
@@ -1199,31 +1194,37 @@ void f32_packed_into(const float* xp, int64_t rows, const at::Tensor& packed, co
       },
       float_sums_store(yp, bp, n_dim));
 #else
-  TORCH_CHECK(false, "f32_packed_product: built without AVX-512");
+  TORCH_CHECK(false, "packed_product: built without AVX-512");
 #endif
 }
 
-at::Tensor f32_packed_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  const int64_t k_dim = packed.size(1), n_dim = packed.size(0) * TILE_COLS;
-  const auto ops = product_operands(x_in, k_dim, n_dim, bias);
-  f32_packed_into(ops.x.data_ptr<float>(), ops.x.size(0), packed, bias ? ops.bias.data_ptr<float>() : nullptr,
-                  ops.y.data_ptr<float>());
+// The inputs K of a packed weight: bf16 [N/16, K/32, 16, 16, 2], float32 [N/16, K, 16].
+int64_t packed_inputs(const at::Tensor& packed) {
+  return packed.scalar_type() == at::kFloat ? packed.size(1) : packed.size(1) * 32;
+}
+
+// x [..., K] . W (+ bias) as tensors, for a weight packed for T's passes (bf16: AMX tiles or AVX512-BF16
+// vectors; float32: AVX-512 vectors).
+template <typename T>
+at::Tensor packed_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const auto ops = product_operands(x_in, packed_inputs(packed), packed.size(0) * TILE_COLS, bias);
+  packed_into(ops.x.data_ptr<T>(), ops.x.size(0), packed, bias ? ops.bias.data_ptr<T>() : nullptr, ops.y.data_ptr<T>());
   return ops.y.view(ops.out_shape);
 }
 
-// A weight in tile_product's packed form: [N/16, K/32, 16 input pairs, 16 columns, 2] bf16.
+// A weight in the packed bf16 form: [N/16, K/32, 16 input pairs, 16 columns, 2] bf16.
 bool is_tile_packed(const at::Tensor& w) {
   return w.dim() == 5 && w.size(2) == 16 && w.size(3) == 16 && w.size(4) == 2 && w.scalar_type() == at::kBFloat16;
 }
 
-// A float32 weight in f32_packed_product's form: [N/16, K, 16 columns].
+// A float32 weight in the packed float32 form: [N/16, K, 16 columns].
 bool is_f32_packed(const at::Tensor& w) {
   return w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kFloat;
 }
 
 // W [N, K] packed for the vector or tile products where they run (the native products on, N a multiple
-// of 16): bf16 in tile_product's form where bf16 pairs multiply (AMX tiles or AVX512-BF16; K a
-// multiple of 32), float32 in f32_packed_product's where the CPU has AVX-512; else W itself, for the
+// of 16): bf16 in the packed bf16 form where bf16 pairs multiply (AMX tiles or AVX512-BF16; K a
+// multiple of 32), float32 in the packed float32 form where the CPU has AVX-512; else W itself, for the
 // other products. A stack [E, N, K] (MoE experts) packs each matrix: its [e] is expert e's packed weight.
 at::Tensor tile_pack(const at::Tensor& w) {
   const int64_t n = w.dim() >= 2 ? w.size(-2) : 0, k = w.dim() >= 2 ? w.size(-1) : 0;
@@ -1296,18 +1297,14 @@ void quantize_row(const T* x, int64_t k_dim, int8_t* q, float* scale) {
 }
 
 template <typename T>
-void quantize_row_range(const T* x, int64_t begin, int64_t end, int64_t k_dim, int64_t k_padded, int8_t* q, float* scale) {
-  for (int64_t r = begin; r < end; ++r) {
-    quantize_row(x + r * k_dim, k_dim, q + r * k_padded, scale + r);
-    std::memset(q + r * k_padded + k_dim, 0, k_padded - k_dim);
-  }
-}
-
-template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k_dim, int64_t k_padded, int8_t* q, float* scale) {
+void quantize_rows(const T* x, int64_t rows, int64_t k_dim, int64_t k_padded, int8_t* q, float* scale,
+                   bool alone = false) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k_dim, 1));   // threads for prompts only
-  spread(0, rows, grain, [&](int64_t begin, int64_t end) {
-    quantize_row_range(x, begin, end, k_dim, k_padded, q, scale);
+  row_loop(rows, grain, alone, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      quantize_row(x + r * k_dim, k_dim, q + r * k_padded, scale + r);
+      std::memset(q + r * k_padded + k_dim, 0, k_padded - k_dim);
+    }
   });
 }
 
@@ -1432,12 +1429,13 @@ void store_w8a8_row(T* out, const int32_t* sums, float row_scale, const float* w
 }
 
 // y [rows, N] = W8A8 product of x [rows, k_dim] on raw rows; xq [rows, k_padded] and xs [rows] take
-// the quantized rows and their scales (w8a8_sums_into: from rows quantized already).
+// the quantized rows and their scales (quantized on this thread alone where `alone`).
 template <typename T>
-void w8a8_sums_into(int64_t rows, const at::Tensor& packed, const at::Tensor& scale, const T* bp, const int8_t* xq,
-                    const float* xs, T* yp) {
+void w8a8_into(const T* x, int64_t rows, int64_t k_dim, const at::Tensor& packed, const at::Tensor& scale,
+               const T* bp, int8_t* xq, float* xs, T* yp, bool alone = false) {
   const int64_t n_blocks = packed.size(0), k_padded = packed.size(1) * W8_K, n_dim = scale.numel();
   const bool tiles = w8a8_tiles_run(), vnni = w8a8_vnni_run();
+  quantize_rows(x, rows, k_dim, k_padded, xq, xs, alone);
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* wsp = scale.data_ptr<float>();
   blocked_product<int32_t>(
@@ -1458,13 +1456,6 @@ void w8a8_sums_into(int64_t rows, const at::Tensor& packed, const at::Tensor& sc
           store_w8a8_row(yp + (m0 + r) * n_dim + n0, c + r * TILE_GROUP * TILE_COLS, xs[m0 + r], wsp + n0,
                          bp ? bp + n0 : nullptr, width);
       });
-}
-
-template <typename T>
-void w8a8_into(const T* x, int64_t rows, int64_t k_dim, const at::Tensor& packed, const at::Tensor& scale,
-               const T* bp, int8_t* xq, float* xs, T* yp) {
-  quantize_rows(x, rows, k_dim, packed.size(1) * W8_K, xq, xs);
-  w8a8_sums_into(rows, packed, scale, bp, xq, xs, yp);
 }
 
 // w8a8_linear's checks: W packed, x's width within its padded inputs, scale float32 [N], bias [N].
@@ -1536,7 +1527,7 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
     TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n_dim),
                 "linear: the bias of a tile-packed weight is ", n_dim, " bf16 values");
     if (!float_products_enabled) return at::linear(x_in, tile_unpack(weight), bias);     // benchmarks only
-    return tile_product(x_in, weight, bias);
+    return packed_product<c10::BFloat16>(x_in, weight, bias);
   }
   if (is_f32_packed(weight)) {
     const int64_t n_dim = weight.size(0) * 16;
@@ -1545,7 +1536,7 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
     TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == n_dim),
                 "linear: the bias of a packed float32 weight is ", n_dim, " float32 values");
     if (!float_products_enabled) return at::linear(x_in, tile_unpack(weight), bias);     // benchmarks only
-    return f32_packed_product(x_in, weight, bias);
+    return packed_product<float>(x_in, weight, bias);
   }
 #if defined(__AVX512BF16__)
   if (native_bf16_linear(x_in, weight, bias)) return few_row_product<c10::BFloat16>(x_in, weight, bias);
@@ -1567,9 +1558,8 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, const c10
 
 // ---- a dense layer stack in one parallel region (Team) ----
 
-// One product of a layer in a team: a weight in a packed form that runs at every row count (bf16 for
-// tile_product, float32 for f32_packed_product, int8 with its scales for w8a8_linear), its bias
-// contiguous, and its shape.
+// One product of a layer in a team: a weight in a packed form that runs at every row count (bf16 or
+// float32 for packed_product, int8 with its scales for w8a8_linear), its bias contiguous, and its shape.
 struct TeamProduct {
   at::Tensor weight, scale, bias;
   int64_t k_dim = 0, n_dim = 0, k_padded = 0;
@@ -1588,11 +1578,9 @@ c10::optional<TeamProduct> team_product(const c10::optional<at::Tensor>& w, cons
     p.n_dim = s->numel();
     p.k_padded = p.weight.size(1) * W8_K;
     p.k_dim = -1;                                   // any width within the padded inputs (check_w8a8)
-  } else if (float_products_enabled && is_tile_packed(p.weight) && dtype == at::kBFloat16 && HAS_BF16_PRODUCT) {
-    p.k_dim = p.weight.size(1) * 32;
-    p.n_dim = p.weight.size(0) * TILE_COLS;
-  } else if (float_products_enabled && is_f32_packed(p.weight) && dtype == at::kFloat && HAS_F32_PACKED) {
-    p.k_dim = p.weight.size(1);
+  } else if (float_products_enabled && ((is_tile_packed(p.weight) && dtype == at::kBFloat16 && HAS_BF16_PRODUCT) ||
+                                         (is_f32_packed(p.weight) && dtype == at::kFloat && HAS_F32_PACKED))) {
+    p.k_dim = packed_inputs(p.weight);
     p.n_dim = p.weight.size(0) * TILE_COLS;
   } else {
     return c10::nullopt;
@@ -1619,20 +1607,15 @@ template <typename T>
 void team_linear(const T* x, int64_t rows, int64_t k_dim, const TeamProduct& p, int8_t* xq, float* xs, T* y,
                  bool own_rows) {
   const T* bias = p.bias.defined() ? p.bias.data_ptr<T>() : nullptr;
-  if (p.scale.defined() && own_rows) {
-    quantize_row_range(x, 0, rows, k_dim, p.k_padded, xq, xs);
-    return w8a8_sums_into(rows, p.weight, p.scale, bias, xq, xs, y);
-  }
-  if (p.scale.defined()) return w8a8_into(x, rows, k_dim, p.weight, p.scale, bias, xq, xs, y);
-  if constexpr (std::is_same_v<T, c10::BFloat16>) tile_product_into(x, rows, p.weight, bias, y);
-  if constexpr (std::is_same_v<T, float>) f32_packed_into(x, rows, p.weight, bias, y);
+  if (p.scale.defined()) return w8a8_into(x, rows, k_dim, p.weight, p.scale, bias, xq, xs, y, own_rows);
+  packed_into(x, rows, p.weight, bias, y);
 }
 
 // out = x + delta, rounded to T (the residual add after the last layer, or before a layer without an
 // input norm), in the team.
 template <typename T>
-void add_into(const T* x, const T* delta, T* out, int64_t rows, int64_t width) {
-  spread(0, rows, 16, [&](int64_t begin, int64_t end) {
+void add_into(const T* x, const T* delta, T* out, int64_t rows, int64_t width, bool alone) {
+  row_loop(rows, 16, alone, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * width; i < end * width; ++i) out[i] = round_to<T>(to_float(x[i]) + to_float(delta[i]));
   });
 }
@@ -1650,14 +1633,14 @@ struct TeamLayer {
   TeamProduct qkv, o, gate_up, down;
 };
 
-// The layers of dense_layers as a team runs them (every product in a packed form, the activations
-// bf16 or float32, the shapes checked), or an empty list where the stack runs region by region.
-std::vector<TeamLayer> team_layers(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+// The layers of dense_layers as a team runs them over rows of `hidden` values of `dtype` (every product in
+// a packed form, the activations bf16 or float32, the shapes checked), or an empty list where the stack
+// runs region by region.
+std::vector<TeamLayer> team_layers(at::ScalarType dtype, int64_t hidden, const std::vector<at::Tensor>& k_caches,
                                    const std::vector<at::Tensor>& v_caches,
                                    const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  const auto dtype = x.scalar_type();
-  if ((dtype != at::kBFloat16 && dtype != at::kFloat) || x.numel() == 0 || at::get_num_threads() < 2) return {};
+  if ((dtype != at::kBFloat16 && dtype != at::kFloat) || at::get_num_threads() < 2) return {};
   std::vector<TeamLayer> team;
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& w = layers[i];
@@ -1669,7 +1652,7 @@ std::vector<TeamLayer> team_layers(const at::Tensor& x, const std::vector<at::Te
                     w[15] ? c10::optional<at::Tensor>(w[15]->contiguous()) : c10::nullopt, *qkv, *o, *gate_up, *down};
     team.push_back(std::move(layer));
   }
-  const int64_t hidden = x.size(-1), inter = team[0].gate_up.n_dim / 2;
+  const int64_t inter = team[0].gate_up.n_dim / 2;
   for (const auto& layer : team) {
     for (const auto* norm : {&layer.input_norm, &layer.post_norm})
       TORCH_CHECK(!norm->defined() || (norm->numel() == hidden && norm->scalar_type() == dtype),
@@ -1750,17 +1733,9 @@ const T* team_layers_run(const T* x, const std::vector<TeamLayer>& layers, const
   const bool own_rows = sh.own_rows;
   T* dp = sh.delta.data_ptr<T>();
   T* gp = sh.gate_up.data_ptr<T>();
-  // The row-wise steps: each thread all rows where own_rows (no barrier after), else spread.
-  auto norm = [&](const T* in, const at::Tensor& weight, T* out) {
-    if (!own_rows) return rms_norm_into(in, weight.data_ptr<T>(), out, tokens, hidden, batch.eps);
-    for (int64_t r = 0; r < tokens; ++r) rms_norm_rows(in + r * hidden, weight.data_ptr<T>(), out + r * hidden, hidden, batch.eps);
-  };
-  auto add_norm = [&](const T* in, const T* d, const at::Tensor& weight, T* sum, T* out) {
-    if (!own_rows) return add_rms_norm_into(in, d, weight.data_ptr<T>(), sum, out, tokens, hidden, batch.eps);
-    for (int64_t i = 0; i < tokens * hidden; ++i) sum[i] = round_to<T>(to_float(in[i]) + to_float(d[i]));
-    for (int64_t r = 0; r < tokens; ++r) rms_norm_rows(sum + r * hidden, weight.data_ptr<T>(), out + r * hidden, hidden, batch.eps);
-  };
-  if (layers[0].input_norm.defined()) norm(x, layers[0].input_norm, mine.normed);
+  const float eps = batch.eps;
+  if (layers[0].input_norm.defined())
+    rms_norm_into(x, layers[0].input_norm.data_ptr<T>(), mine.normed, tokens, hidden, eps, own_rows);
   for (size_t i = 0; i < layers.size(); ++i) {
     const TeamLayer& layer = layers[i];
     at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache, out = sh.attended;
@@ -1770,24 +1745,17 @@ const T* team_layers_run(const T* x, const std::vector<TeamLayer>& layers, const
                       batch.table, batch.rope, layer.q_norm, layer.k_norm, batch.qk_eps, batch.scale, out,
                       sh.queries.data_ptr<float>());
     team_linear(sh.attended.data_ptr<T>(), tokens, batch.heads.q * batch.heads.dim, layer.o, mine.q8, mine.qs, dp, own_rows);
-    add_norm(x, dp, layer.post_norm, mine.h, mine.post);
+    add_rms_norm_into(x, dp, layer.post_norm.data_ptr<T>(), mine.h, mine.post, tokens, hidden, eps, own_rows);
     team_linear(mine.post, tokens, hidden, layer.gate_up, mine.q8, mine.qs, gp, own_rows);
-    if (own_rows) {
-      const FlushSubnormals flush;
-      silu_rows(gp, 2 * inter, mine.act, 0, tokens, inter);
-    } else {
-      silu_mul_into(gp, 2 * inter, mine.act, tokens, inter);
-    }
+    silu_mul_into(gp, 2 * inter, mine.act, tokens, inter, own_rows);
     team_linear(mine.act, tokens, inter, layer.down, mine.q8, mine.qs, dp, own_rows);
     // the residual stream: h + down, and the next layer's norm of it
     T* next = own_rows ? mine.own_x : sh.stream[i % 2].data_ptr<T>();
-    if (i + 1 < layers.size() && layers[i + 1].input_norm.defined()) {
-      add_norm(mine.h, dp, layers[i + 1].input_norm, next, mine.normed);
-    } else if (own_rows) {
-      for (int64_t j = 0; j < tokens * hidden; ++j) next[j] = round_to<T>(to_float(mine.h[j]) + to_float(dp[j]));
-    } else {
-      add_into(mine.h, dp, next, tokens, hidden);
-    }
+    if (i + 1 < layers.size() && layers[i + 1].input_norm.defined())
+      add_rms_norm_into(mine.h, dp, layers[i + 1].input_norm.data_ptr<T>(), next, mine.normed, tokens, hidden, eps,
+                        own_rows);
+    else
+      add_into(mine.h, dp, next, tokens, hidden, own_rows);
     x = next;
   }
   return x;
@@ -1841,7 +1809,9 @@ c10::optional<at::Tensor> stack_in_team(const at::Tensor& x_in, const at::Tensor
                                         double eps, double qk_eps, int64_t num_heads, int64_t num_kv_heads,
                                         int64_t head_dim, double scale) {
   if (!teams_enabled || layers.empty()) return c10::nullopt;
-  const auto team = team_layers(x_in, k_caches, v_caches, layers, num_heads, num_kv_heads, head_dim);
+  if (x_in.numel() == 0) return c10::nullopt;
+  const auto team = team_layers(x_in.scalar_type(), x_in.size(-1), k_caches, v_caches, layers, num_heads,
+                                num_kv_heads, head_dim);
   if (team.empty()) return c10::nullopt;
   const TeamBatch batch{rope, q_start, q_len, kv_len, rows, table, static_cast<float>(eps), qk_eps, scale,
                         Heads{num_heads, num_kv_heads, head_dim}};
@@ -2126,7 +2096,8 @@ std::tuple<at::Tensor, at::Tensor> eagle_chain(
       (dtype == at::kBFloat16 || dtype == at::kFloat) && first.is_contiguous() && keep_in.is_contiguous() &&
       embed.is_contiguous() && embed.dim() == 2) {
     const auto fc = team_product(fc_w, fc_b, fc_s, dtype), head = team_product(head_w, {}, head_s, dtype);
-    const auto layer = fc && head ? team_layers(hidden.to(dtype), {k_cache}, {v_cache}, {w}, num_heads, num_kv_heads, head_dim)
+    const auto layer = fc && head ? team_layers(dtype, hidden.size(1), {k_cache}, {v_cache}, {w}, num_heads, num_kv_heads,
+                                                head_dim)
                                   : std::vector<TeamLayer>{};
     if (!layer.empty() && fc->n_dim == hidden.size(1)) {
       const Heads heads{num_heads, num_kv_heads, head_dim};
@@ -2208,8 +2179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AVX512-BF16 vectors; float32: AVX-512 vectors), else W");
   m.def("tile_unpack", &tile_unpack, "the [N, K] matrix of a packed weight");
   m.attr("HAS_F32_PACKED") = HAS_F32_PACKED;
-  m.def("bf16_packed_run", &bf16_packed_run, "whether bf16 weights pack for tile_product here (AMX tiles or AVX512-BF16 vectors)");
-  m.def("bf16_packed_products", &bf16_packed_products, "where tile_product runs: AMX tiles, AVX512-BF16 vectors, or '' (no packing)");
+  m.def("bf16_packed_run", &bf16_packed_run, "whether bf16 weights pack for packed_product here (AMX tiles or AVX512-BF16 vectors)");
+  m.def("bf16_packed_products", &bf16_packed_products, "where packed_product runs on bf16: AMX tiles, AVX512-BF16 vectors, or '' (no packing)");
   m.def("set_native_float_products", &set_native_float_products, "off: float products through torch (benchmarks)");
   m.def("set_kv_prefetch", &set_kv_prefetch, "off: attention fetches no key or value row ahead (benchmarks)");
   m.def("set_float_prefetch", &set_float_prefetch, "off: the float product fetches no block ahead (benchmarks)");

@@ -67,7 +67,7 @@ class ModelRunner:
                  f", {args.quantization} weights" if args.quantization else "", dev,
                  self.num_slots, self.context_length, self.worker.describe() if self.worker else "off")
         if dev.type == "cpu":
-            log.info("CPU path: %s; dtype %s%s", describe_cpu_path(self.model, getattr(device, "threads", 0) or None),
+            log.info("CPU path: %s; dtype %s%s", describe_cpu_path(self.model, device.threads or None),
                      str(self.dtype).removeprefix("torch."),
                      " (--dtype auto: devices/cpu_native.py auto_cpu_dtype)" if args.dtype == "auto" else "")
         log.info("graphs: %s", settings.describe() if settings else self.graphs_off_reason())
