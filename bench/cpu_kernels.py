@@ -1,11 +1,10 @@
-"""One model forward on the CPU, in-process, on each path: pure torch, the native kernels, the
-native kernels with int8 weights (weight-only, and w8a8_int8), and the native kernels with one part
-undone for a side-by-side measure of it (float products through torch instead of the native
-few-row product; the native float products fetching no weight block ahead; attention fetching no
-key or value row ahead; the weights as loaded instead of packed; the packed products four rows at
-a time instead of 5-6 at once; a dense model: its
-layers called one by one instead of in one call; an MoE model: its experts through the grouped
-Python loop instead of one call); for decodes, verify-like runs and prompts.
+"""One model forward on the CPU, in-process, on each path: pure torch, the native kernels, the native
+kernels with quantized weights (int8, w8a8_int8, int4), and the native kernels with one part undone for a
+side-by-side measure of it (float products through torch on the weights as loaded; the portable vectors
+instead of the ISA-specific products; attention fetching no key or value row ahead; the vector passes four
+rows at a time instead of 5-6 at once; a parallel region per kernel loop instead of one a layer stack; a
+dense model: its layers called one by one instead of in one call; an MoE model: its experts through the
+grouped Python loop instead of one call); for decodes, verify-like runs and prompts.
 
     python bench/cpu_kernels.py --threads 2 [--model models/tandem-dense] [--rounds 2] [--paths native,...]
 
@@ -31,15 +30,14 @@ from engine.models.testing import PagedRunner  # noqa: E402
 
 PATHS = {"torch": {"cpu_kernels": "torch"}, "native": {"cpu_kernels": "native"},
          "native-int8": {"cpu_kernels": "native", "quantization": "int8"},
-         "native-w8a8": {"cpu_kernels": "native", "quantization": "w8a8_int8"}}
+         "native-w8a8": {"cpu_kernels": "native", "quantization": "w8a8_int8"},
+         "native-int4": {"cpu_kernels": "native", "quantization": "int4"}}
 EXPERT_LOOP = "native-expert-loop"          # MoE models
 PER_LAYER = "native-per-layer"              # dense models
-TORCH_PRODUCTS = "native-torch-products"    # float products through torch (kernels.set_native_float_products)
-NO_PREFETCH = "native-no-prefetch"          # float products fetching no block ahead (kernels.set_float_prefetch)
-NO_KV_PREFETCH = "native-no-kv-prefetch"    # attention fetching no key or value row ahead (kernels.set_kv_prefetch)
-UNPACKED = "native-unpacked"                # weights as loaded, not packed (few_row_product; torch's above 64 rows)
-FOUR_ROW_RUNS = "native-four-row-runs"      # float vector passes 4 rows at a time, not 5-6 at once (set_wide_row_runs)
-REGIONS = "native-regions"                  # a parallel region per kernel loop, not one a layer stack (set_teams)
+TORCH_PRODUCTS = "native-torch-products"    # weights as loaded, float products through torch (native_products)
+# the tuning switch each path turns off while it runs (devices/native/common.h: Tuning)
+SWITCHED = {"native-portable": "isa_products", "native-no-kv-prefetch": "kv_prefetch",
+            "native-four-row-runs": "wide_row_runs", "native-regions": "teams"}
 DECODE_CASES = [(1, 1), (1, 4), (1, 5), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q); 1 x 5: 4 drafts
 PROMPTS = [64, 512]
 
@@ -48,51 +46,32 @@ def load(path: str, dtype: str, name: str):
     """The model on one path. EXPERT_LOOP: native kernels, the experts through StackedExperts'
     grouped loop; PER_LAYER: native kernels, one dense_layer call per layer (what ran before
     their native calls: dense_layers, moe_experts)."""
-    if name == TORCH_PRODUCTS:          # loaded with the native products off: no weight packs for them
-        from devices.cpu_native import build
-        build().set_native_float_products(False)
-    try:
+    from devices.cpu_native import build
+    before = build().set_tuning(native_products=False) if name == TORCH_PRODUCTS else None
+    try:          # loaded with the native products off: no weight packs, torch multiplies
         model = load_model(path, dtype, "cpu", **PATHS.get(name, PATHS["native"]))[0]
     finally:
-        if name == TORCH_PRODUCTS:
-            build().set_native_float_products(True)
+        if before is not None:
+            build().set_tuning(**before)
     if name == EXPERT_LOOP:
         for experts in (m for m in model.modules() if isinstance(m, StackedExperts)):
             experts.forward = experts.forward_grouped
     if name == PER_LAYER:
         model.native_stack = None
-    if name == UNPACKED:
-        unpack(model)
     return model
 
 
-def unpack(model) -> None:
-    """The native kernels on the weights as loaded: every packed cache replaced by the weight itself
-    (what ran before tile_pack packed this dtype), the layer lists rebuilt from them."""
-    from engine.models.layers import NativeLinear
-    for module in model.modules():
-        if isinstance(module, NativeLinear):
-            module.__dict__["native_weight"] = module.weight
-        for cached in ("native_weights", "native_stack"):
-            module.__dict__.pop(cached, None)
-    weight = model.lm_head_weight()
-    model.__dict__["native_lm_head_of"] = (weight, weight)
-
-
 def measure(run, model, name: str) -> float:
-    """run(model), with the native float products off for TORCH_PRODUCTS, their fetching ahead off
-    for NO_PREFETCH, attention's off for NO_KV_PREFETCH, the vector passes' runs of 5-6 rows off
-    for FOUR_ROW_RUNS and the stack's one parallel region off for REGIONS (process-wide switches)."""
+    """run(model), with the path's tuning switch (SWITCHED) off while it runs (process-wide switches)."""
     kernels = getattr(model, "kernels", None)
-    switch = {TORCH_PRODUCTS: "set_native_float_products", NO_PREFETCH: "set_float_prefetch",
-              NO_KV_PREFETCH: "set_kv_prefetch", FOUR_ROW_RUNS: "set_wide_row_runs", REGIONS: "set_teams"}.get(name)
+    switch = SWITCHED.get(name)
     if kernels is None or switch is None:
         return run(model)
-    getattr(kernels, switch)(False)
+    before = kernels.set_tuning(**{switch: False})
     try:
         return run(model)
     finally:
-        getattr(kernels, switch)(True)
+        kernels.set_tuning(**before)
 
 
 def is_moe(path: str) -> bool:
@@ -143,8 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtype.split(",")
-    paths = list(PATHS) + [TORCH_PRODUCTS, NO_PREFETCH, NO_KV_PREFETCH, UNPACKED, FOUR_ROW_RUNS, REGIONS,
-                           EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
+    paths = list(PATHS) + [TORCH_PRODUCTS, *SWITCHED, EXPERT_LOOP if is_moe(args.model) else PER_LAYER]
     if args.paths:
         unknown = set(args.paths.split(",")) - set(paths)
         if unknown:

@@ -1,5 +1,5 @@
 """An EAGLE head's greedy draft chain in-process, two ways side by side: one native call
-(LlamaForCausalLMEagle.draft_chain: devices/cpu_kernels.cpp eagle_chain) and the worker's
+(LlamaForCausalLMEagle.draft_chain: devices/native/draft.cpp eagle_chain) and the worker's
 step-by-step loop from Python (forward, compute_logits, top_choice, the keep rule); and the same for
 its extend over a verify's tokens (extend_native: eagle_extend, against forward, the picked rows,
 compute_logits and top_choice from Python).
@@ -8,7 +8,7 @@ compute_logits and top_choice from Python).
     python bench/draft_chain.py --against regions [--quantization w8a8_int8]
 
 `--against regions`: the native call against itself with a parallel region per kernel loop
-(`set_teams(False)`), not the loop from Python: what running the chain's steps in one region gains.
+(`set_tuning(teams=False)`), not the loop from Python: what running the chain's steps in one region gains.
 
 Each of `rows` sequences holds --context tokens of a repeated prompt; a chain drafts --steps tokens
 after the first with no trim (every step runs), so both ways do the same work; an extend reads
@@ -75,13 +75,13 @@ def main() -> None:
 
 
 def in_regions(native, kernels):
-    """native() with a parallel region per kernel loop (the kernels' set_teams(False)), then teams back on."""
+    """native() with a parallel region per kernel loop (teams off in the kernels' tuning), then as before."""
     def run():
-        kernels.set_teams(False)
+        before = kernels.set_tuning(teams=False)
         try:
             return native()
         finally:
-            kernels.set_teams(True)
+            kernels.set_tuning(**before)
     return run
 
 

@@ -1,10 +1,12 @@
 """A native kernels' switch on and off in one process, forward by forward. `--switch wide_row_runs` (the
 default): a verify forward's rows read at once or four at a time (the float vector passes take a run of 5
 or 6 rows, a verify of 4-5 drafts and its bonus token, in one pass where their sums fit the vector
-registers: devices/cpu_kernels.cpp in_row_runs; `set_wide_row_runs(False)` reads them four at a time).
-`--switch teams`: the layer stack in one parallel region, or a region per kernel loop (`set_teams(False)`).
+registers: devices/native/products.h in_row_runs; off, they are read four at a time).
+`--switch teams`: the layer stack in one parallel region, or a region per kernel loop.
 `--switch own_rows`: in that region, at a few rows, each thread runs the row-wise steps over every row itself,
-or they are shared out with a barrier after each (`set_own_rows(False)`).
+or they are shared out with a barrier after each. `--switch isa_products`: the ISA-specific products
+(AVX512-BF16, VNNI, AVX2's integer sums) or the portable vectors. Each is a switch of the kernels' tuning
+record (set_tuning).
 The two alternate forward by forward on the same model and cache, so a noisy neighbour hits both alike;
 also checks that both give the same logits.
 
@@ -28,13 +30,16 @@ from engine.models.testing import PagedRunner  # noqa: E402
 
 
 SWITCHES = {"wide_row_runs": ("at once", "four rows at a time"), "teams": ("in one region", "a region a loop"),
-            "own_rows": ("row-wise steps each thread's own", "row-wise steps shared")}
+            "own_rows": ("row-wise steps each thread's own", "row-wise steps shared"),
+            "isa_products": ("ISA-specific products", "portable vectors")}
 
 
 @torch.inference_mode()
 def compare(model, switch: str, seqs: int, q: int, context: int, forwards: int) -> tuple[float, float, bool]:
     """(ms a forward with the switch on, ms with it off, same logits) for `seqs` sequences adding q tokens each."""
-    turn = getattr(model.kernels, f"set_{switch}")
+    def turn(on: bool) -> None:
+        model.kernels.set_tuning(**{switch: on})
+
     runner = PagedRunner(model.kv_layout(), model.embed_tokens.weight.dtype, max_requests=seqs,
                          max_context=context + q + 8)
     model(*runner.step([(s, list(range(1, context + 1))) for s in range(seqs)]))
@@ -58,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "models" / "tandem-dense"))
     parser.add_argument("--dtype", default="bfloat16,float32", help="comma-separated")
-    parser.add_argument("--quantization", default=None, choices=["w8a8_int8"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "w8a8_int8", "int4"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--switch", default="wide_row_runs", choices=sorted(SWITCHES))
     parser.add_argument("--seqs", default="1", help="comma-separated batch sizes")

@@ -1,48 +1,93 @@
-"""The native CPU kernels (devices/cpu_kernels.cpp), built once with torch.utils.cpp_extension.
+"""The native CPU kernels (devices/native/), built once with torch.utils.cpp_extension.
 
     kernels = cpu_kernels("auto")     # the module, or None: the pure-torch path
 
-`scripts/bootstrap.sh` builds them at set-up (`python -m devices.cpu_native`), so a server finds
-them ready; the build lives in `.build/cpu_kernels` (per machine: it is compiled for this CPU).
-Choices, from `--cpu-kernels`: "auto" uses them when they build and says so in the log, else
-falls back to pure torch with the reason; "native" insists (an error if they do not build);
-"torch" never loads them.
+`scripts/bootstrap.sh` builds them at set-up (`python -m devices.cpu_native`), so a server finds them
+ready. The build targets one instruction-set level, `TANDEM_CPU_ARCH` (default `native`: this machine's
+own; on x86 also `x86-64-v2` (SSE4.2, no AVX2), `x86-64-v3` (AVX2, FMA, F16C) and `x86-64-v4` (AVX-512),
+any `-march` value GCC takes), each in its own folder under `.build/cpu_kernels/`, so that one machine can
+build and test the paths of older CPUs (`TANDEM_CPU_ARCH=x86-64-v3 pytest tests/test_cpu_kernels.py`). A
+level the CPU cannot run is refused with the features it lacks.
+
+Choices, from `--cpu-kernels`: "auto" uses them when they build and says so in the log, else falls back to
+pure torch with the reason; "native" insists (an error if they do not build); "torch" never loads them.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import platform
+import re
 import shutil
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-DEFAULT_BUILD_DIR = Path(__file__).resolve().parents[1] / ".build" / "cpu_kernels"
-BUILD_DIR = Path(os.environ.get("TANDEM_NATIVE_BUILD_DIR", DEFAULT_BUILD_DIR))
+SOURCE_DIR = Path(__file__).with_name("native")
+SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
+DEFAULT_BUILD_ROOT = Path(__file__).resolve().parents[1] / ".build" / "cpu_kernels"
+BUILD_ROOT = Path(os.environ.get("TANDEM_NATIVE_BUILD_DIR", DEFAULT_BUILD_ROOT))
 CHOICES = ("auto", "native", "torch")
+# The x86 levels and the /proc/cpuinfo flags a CPU needs to run code built for each.
+X86_LEVELS = {
+    "x86-64-v2": {"sse4_2", "popcnt", "ssse3"},
+    "x86-64-v3": {"sse4_2", "popcnt", "ssse3", "avx2", "fma", "f16c", "bmi2", "movbe"},
+    "x86-64-v4": {"sse4_2", "popcnt", "ssse3", "avx2", "fma", "f16c", "bmi2", "movbe", "avx512f", "avx512bw",
+                  "avx512cd", "avx512dq", "avx512vl"},
+}
 # -fno-math-errno / -fno-trapping-math let loops of floor, division and exp vectorize; they change no result.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+# -ffp-contract=fast: a multiply and add are one FMA wherever the build has FMA (the products count on it).
+COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-Wno-psabi"]
 
 
 class NativeKernelsUnavailable(RuntimeError):
     """--cpu-kernels native, but the kernels did not build or load."""
 
 
+def build_arch() -> str:
+    """The instruction-set level the kernels are built for (TANDEM_CPU_ARCH, default native)."""
+    return os.environ.get("TANDEM_CPU_ARCH", "native").strip() or "native"
+
+
+def arch_flags(arch: str) -> list[str]:
+    if arch == "native" and platform.machine() in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return [f"-march={arch}"]
+
+
+def build_dir(arch: str | None = None) -> Path:
+    return BUILD_ROOT / re.sub(r"[^A-Za-z0-9_.+-]", "_", arch or build_arch())
+
+
+def check_cpu_runs(arch: str) -> None:
+    """Refuse an x86 level this CPU cannot run (its code would die on an illegal instruction)."""
+    needed = X86_LEVELS.get(arch)
+    if needed is None:
+        return
+    missing = sorted(needed - cpu_flags())
+    if missing:
+        raise NativeKernelsUnavailable(f"this CPU cannot run kernels built for {arch}: it lacks {', '.join(missing)}")
+
+
 @functools.cache
 def build() -> ModuleType:
-    """Compile (or reuse the up-to-date build) and import the extension; raises on failure."""
+    """Compile (or reuse the up-to-date build) and import the extension for build_arch(); raises on failure."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise NativeKernelsUnavailable("no C++ compiler (set CXX or install g++)")
+    arch = build_arch()
+    check_cpu_runs(arch)
     from torch.utils.cpp_extension import load
 
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    if not any(BUILD_DIR.glob("*.so")):
-        log.info("building the native CPU kernels in %s (once; about 30 s)", BUILD_DIR)
-    return load(name="tandem_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                build_directory=str(BUILD_DIR), verbose=False)
+    folder = build_dir(arch)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.glob("*.so")):
+        log.info("building the native CPU kernels for %s in %s (once; about a minute)", arch, folder)
+    name = "tandem_cpu_kernels_" + re.sub(r"[^A-Za-z0-9]", "_", arch)
+    return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=COMMON_FLAGS + arch_flags(arch),
+                extra_include_paths=[str(SOURCE_DIR)], extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                verbose=False)
 
 
 def cpu_kernels(choice: str = "auto") -> ModuleType | None:
@@ -60,73 +105,77 @@ def cpu_kernels(choice: str = "auto") -> ModuleType | None:
         return None
 
 
-def cpu_features() -> list[str]:
-    """The CPU's vector features that matter to the kernels and to torch's products (Linux)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    have = set(flags.split(":", 1)[1].split())
-    return [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in have]
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def cpu_features() -> list[str]:
+    """The CPU's vector features that matter to the kernels and to torch's products."""
+    names = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "asimd", "asimddp", "sve")
+    return [name for name in names if name in cpu_flags()]
+
+
+def built_features(kernels) -> list[str]:
+    """What the kernels were compiled for (not what this CPU has): their ISA extensions."""
+    features = kernels.build_features()
+    names = ("avx2", "fma", "avx512", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return [name for name in names if features[name]] or [f"{features['vector_bits']}-bit vectors"]
 
 
 def auto_cpu_dtype(choice: str = "auto", quantization: str | None = None):
-    """--dtype auto on the CPU: bfloat16 where the native kernels multiply bf16 (AVX512-BF16), else
-    float32. Measured on such a CPU (README "The CPU default dtype"): the native bf16 product reads
-    half the bytes and ran a one-token forward in 0.45 ms against 0.94 in float32, and as fast or
-    faster at every batch shape; its sums do not depend on the number of rows, so speculative
-    verify runs keep plain greedy decoding's tokens. torch's own bf16 products (no native kernels,
-    no AVX512-BF16) are slower than float32 at one row. int8 weights (--quantization) keep float32
-    activations, the path their products were measured on."""
+    """--dtype auto on the CPU: bfloat16 where the native kernels multiply bf16 pairs in hardware (AVX512-BF16
+    or AMX: half the bytes of float32 read, and as fast or faster at every batch shape), else float32: without
+    them a bf16 weight is widened to float32 as it is read, and torch's bf16 products are slow at a few rows.
+    Quantized weights keep float32 activations, the path their products were measured on."""
     import torch
 
     if quantization is not None:
         return torch.float32
     kernels = cpu_kernels(choice)
-    return torch.bfloat16 if kernels is not None and kernels.HAS_BF16_PRODUCT else torch.float32
+    return torch.bfloat16 if kernels is not None and kernels.bf16_native() else torch.float32
 
 
-def runs_packed(model, dtype) -> bool:
-    """Whether the model's weights of `dtype` run packed (NativeLinear.native_weight): bf16 as
-    [N/16, K/32, 16, 16, 2] for AMX tiles, or AVX512-BF16 vectors where the CPU has no AMX
-    (kernels.bf16_packed_products); float32 as [N/16, K, 16] for AVX-512 vectors."""
-    import torch
+def packed_formats(model) -> list[str]:
+    """The formats of the model's packed weights (engine/models: NativeLinear, the quantized linears)."""
+    from engine.models.layers import NativeLinear
+    from engine.models.quant import QuantizedLinear
 
-    packed_dims = {torch.bfloat16: 5, torch.float32: 3}[dtype]
-    weights = (getattr(m, "native_weight", None) for m in model.modules())
-    return any(w is not None and w.dim() == packed_dims and w.dtype == dtype for w in weights)
+    found = []
+    for module in model.modules():
+        name = None
+        if isinstance(module, QuantizedLinear) and module.kernels is not None:
+            name = module.method
+        elif isinstance(module, NativeLinear) and module.kernels is not None:
+            weight = module.native_weight
+            name = str(weight.dtype).removeprefix("torch.") if module.kernels.is_packed(weight) else None
+        if name is not None and name not in found:
+            found.append(name)
+    return found
 
 
 def describe_cpu_path(model, threads: int | None = None) -> str:
-    """The start-up log's line: which path the layers run, and what the CPU offers. `threads`: the
-    stream's (default: this thread's torch threads)."""
+    """The start-up log's line: which path the layers run, where their products run, and what the build
+    and the CPU offer. `threads`: the stream's (default: this thread's torch threads)."""
     import torch
 
     kernels = next((m.kernels for m in model.modules() if getattr(m, "kernels", None) is not None), None)
-    features = ", ".join(cpu_features()) or "no AVX2"
+    cpu = ", ".join(cpu_features()) or "no AVX2"
     if kernels is None:
-        return f"pure torch; torch {torch.__version__} products; CPU features: {features}"
-    dtypes = "float32 and bfloat16" if kernels.HAS_BF16_PRODUCT else "float32"
-    packed = (f"bfloat16 weights packed for {kernels.bf16_packed_products()}" if runs_packed(model, torch.bfloat16)
-              else "float32 weights packed for AVX-512 vectors" if runs_packed(model, torch.float32) else "")
-    tiled = f"; {packed}, their products native at every row count" if packed else ""
-    w8a8 = describe_w8a8(model, kernels)
+        return f"pure torch; torch {torch.__version__} products; CPU features: {cpu}"
+    formats = packed_formats(model)
+    products = "; ".join(f"{name} products on {kernels.product_path(name)}" for name in formats)
     threads = threads or torch.get_num_threads()
-    team = (f"; each layer stack in one parallel region of {threads} threads" if (packed or w8a8) and threads > 1
-            else "")
-    return (f"native kernels ({BUILD_DIR}) for norms, SwiGLU, attention and {dtypes} products of up to "
-            f"{kernels.FLOAT_LINEAR_MAX_ROWS} rows; torch {torch.__version__} products above{tiled}"
-            f"{w8a8}{team}; CPU features: {features}")
-
-
-def describe_w8a8(model, kernels) -> str:
-    """The log's words for --quantization w8a8_int8's products, where the model has them."""
-    from engine.models.quant import W8A8Linear
-
-    if not any(isinstance(m, W8A8Linear) for m in model.modules()):
-        return ""
-    where = kernels.w8a8_products()
-    return f"; w8a8_int8 products (int8 activations, int32 sums) native at every row count, on {where}"
+    team = f"; each layer stack in one parallel region of {threads} threads" if formats and threads > 1 else ""
+    return (f"native kernels built for {build_arch()} ({', '.join(built_features(kernels))}) for norms, SwiGLU, "
+            f"attention and products at every row count{'; ' + products if products else ''}{team}; "
+            f"CPU features: {cpu}")
 
 
 @functools.cache
@@ -138,7 +187,7 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         build()
-        print(f"native CPU kernels built in {BUILD_DIR}")
+        print(f"native CPU kernels built for {build_arch()} in {build_dir()}")
     except Exception as error:                  # set-up goes on: the server falls back to pure torch
         print(f"warning: native CPU kernels did not build ({error}); the server will run the pure-torch path")
         raise SystemExit(1) from None

@@ -59,16 +59,19 @@ class ServerArgs:
     device: str = flag("auto", "Where the model runs; auto picks cuda, then npu, then cpu.",
                        ["auto", "cpu", "cuda", "npu"])
     dtype: str = flag("auto", "Weight and activation dtype; auto: bfloat16 on accelerators and on CPUs whose native "
-                              "kernels multiply bf16 (AVX512-BF16), else float32 (and with int8 weights).",
+                              "kernels multiply bf16 pairs in hardware (AVX512-BF16, AMX), else float32 (and with "
+                              "quantized weights).",
                       ["auto", "float32", "bfloat16", "float16"])
-    quantization: str | None = flag(None, "Weight quantization after loading: int8 (weight-only, one scale per "
-                                          "output channel; the layers' linears and the LM head), or w8a8_int8 (the "
+    quantization: str | None = flag(None, "Weight quantization after loading (the layers' linears and the LM "
+                                          "head): int8 (weight-only, one scale per output channel), w8a8_int8 (the "
                                           "same weights against each row of activations quantized to int8, int32 "
-                                          "sums; AMX int8 tiles where the CPU has them). Fast on the CPU with the "
-                                          "native kernels; elsewhere torch computes the same function, slowly.",
-                                    ["int8", "w8a8_int8"])
+                                          "sums), or int4 (weight-only 4-bit in groups of 32 with float16 scales, "
+                                          "as llama.cpp's q4_0; each group of activations quantized to int8 as "
+                                          "it is read). Fast on the CPU with the native kernels; elsewhere torch "
+                                          "computes the same function, slowly.",
+                                    ["int8", "w8a8_int8", "int4"])
     cpu_kernels: str = flag("auto", "On the CPU, the layers' norms, SwiGLU and attention run native kernels "
-                                    "(devices/cpu_kernels.cpp, built at set-up): auto uses them when they build, "
+                                    "(devices/native/, built at set-up): auto uses them when they build, "
                                     "native insists, torch runs pure PyTorch.", ["auto", "native", "torch"])
     max_running_requests: int = flag(64, "Most requests decoding at once on a rank.")
     max_queued_requests: int = flag(1024, "Most requests waiting on a rank; beyond it requests get 503.")
@@ -101,11 +104,12 @@ class ServerArgs:
                                                    "reads it); drafts come only from those tokens, and each draft step "
                                                    "reads only their LM head rows. Default: the whole vocabulary.")
     speculative_draft_quantization: str = flag(
-        "auto", "Weight-only quantization of the draft model (EAGLE / EAGLE-3 head, standalone draft): int8, none, or "
-                "auto: int8 where the target runs the native CPU kernels but not their AMX tile products, else as "
-                "--quantization. The draft only "
-                "proposes and the target verifies, so the output does not change; only what is accepted may.",
-        ["auto", "none", "int8", "w8a8_int8"])
+        "auto", "Quantization of the draft model (EAGLE / EAGLE-3 head, standalone draft): none, int8, w8a8_int8, "
+                "int4, or auto: w8a8_int8 where the native CPU kernels take its integer sums in hardware (AMX, "
+                "AVX512-VNNI, AVX2), else int8 where the target runs the native kernels, else as --quantization. "
+                "The draft only proposes and the target verifies, so the output does not change; only what is "
+                "accepted may.",
+        ["auto", "none", "int8", "w8a8_int8", "int4"])
     speculative_num_steps: int | None = flag(None, "Draft tokens proposed per step (chain length); default: "
                                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_NUM_STEPS.items()) + ".")
     speculative_num_draft_tokens: int | None = flag(None, "Tokens verified per step; for chains it must be steps + 1.")

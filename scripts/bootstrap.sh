@@ -14,9 +14,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VPY" -m pip install -q -r requirements-test.txt
   echo "$want" > "$stamp"
 fi
-# The native CPU kernels, compiled for this machine (the server falls back to pure torch without them).
-native=.build/cpu_kernels/.tandem-source
-want_native=$(cat devices/cpu_kernels.cpp devices/cpu_native.py | sha256sum | cut -d' ' -f1)
+# The native CPU kernels, compiled for this machine (TANDEM_CPU_ARCH picks another level, e.g. x86-64-v3;
+# the server falls back to pure torch without them).
+arch=${TANDEM_CPU_ARCH:-native}
+native=.build/cpu_kernels/.tandem-source-$arch
+want_native=$(cat devices/native/* devices/cpu_native.py | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$native" 2>/dev/null)" != "$want_native" ]; then
-  PYTHONPATH=. "$VPY" -m devices.cpu_native && echo "$want_native" > "$native"
+  mkdir -p .build/cpu_kernels
+  PYTHONPATH=. TANDEM_CPU_ARCH=$arch "$VPY" -m devices.cpu_native && echo "$want_native" > "$native"
 fi

@@ -258,23 +258,16 @@ def verify_layout(bonus: torch.Tensor, chain: Chain) -> tuple[torch.Tensor, torc
 
 
 def draft_quantization(args: "ServerArgs", target: Target) -> str | None:
-    """--speculative-draft-quantization resolved: auto is w8a8_int8 where the native CPU kernels run
-    it on AMX int8 tiles or AVX512-VNNI (on AMX, against the bf16 head on a bf16 target: the same
-    acceptance, 1.08x decode tok/s at one request, 0.98x output tok/s at 16; against an int8 head on a
-    W8A8 target 1.06x and 1.07x; on VNNI without AMX, against the int8 head: 1.07x and 1.10x on a bf16
-    target, 1.16x and 1.15x on a W8A8 one), else int8 where the target runs the native kernels (an
-    int8 EAGLE head took a step of the embedded model from 3.15 to 2.77 ms at one request, the same
-    tokens per step; README "Performance") but do not pack its bf16 weights (there the bf16 head
-    measured faster: 1.14x decode tok/s at one request, 1.31x output tok/s at 16), else
-    --quantization."""
-    from devices.cpu_native import runs_packed
-
+    """--speculative-draft-quantization resolved. auto: a draft step reads the head's weights for a few
+    rows, so fewer bytes a weight pay wherever the native kernels run it: w8a8_int8 where they take its
+    integer sums in hardware, else weight-only int8; without the kernels, as --quantization (docs/
+    performance.md has the side-by-side figures)."""
     choice = args.speculative_draft_quantization
     if choice == "auto":
         kernels = getattr(target.model, "kernels", None)
-        if kernels is not None and kernels.w8a8_fast_run():
-            return "w8a8_int8"
-        return "int8" if kernels is not None and not runs_packed(target.model, torch.bfloat16) else args.quantization
+        if kernels is None:
+            return args.quantization
+        return "w8a8_int8" if kernels.product_path("w8a8_int8") != "portable vectors" else "int8"
     return None if choice == "none" else choice
 
 

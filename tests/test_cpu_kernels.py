@@ -1,4 +1,4 @@
-"""The native CPU kernels (devices/cpu_kernels.cpp) against the pure-torch path they replace:
+"""The native CPU kernels (devices/native/) against the pure-torch path they replace:
 each kernel alone, attention over random slot tables (prompt chunks, decodes, verify runs,
 GQA, qk-norm), the MoE experts (all held, and an expert-parallel share), the checks that refuse
 bad layouts, the fallback when nothing builds, a whole model's logits on both paths, and the
@@ -39,148 +39,148 @@ def test_norms_and_swiglu_match_torch(dtype):
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
 
 
-NATIVE_PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if kernels is not None and kernels.HAS_BF16_PRODUCT else [])
+FORMATS = ["float32", "bfloat16", "int8", "w8a8_int8", "int4"]
 
 
-@pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64, 65, 130])
-@pytest.mark.parametrize("out_features,in_features", [(256, 768), (37, 70)])   # ragged: blocks and vector tails
+def packed_layer(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """(packed weight, scale, reference function) of a format, from a float32 weight."""
+    from engine.models import quant
+    if fmt in ("float32", "bfloat16"):
+        w = weight.to(getattr(torch, fmt))
+        return kernels.pack_float(w), None, lambda x: F.linear(x.double(), w.double(),
+                                                               None if bias is None else bias.double())
+    layer = quant.QUANTIZED_LINEAR[fmt](weight, None)
+    return layer.packed, layer.scale, lambda x: (layer.reference(x.float()).double()
+                                                 + (0 if bias is None else bias.double()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 9, 16, 17, 40, 130])
+@pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 96)])   # groups of 4 blocks, and 3
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_native_product_matches_torch_and_does_not_depend_on_the_batch(rows, out_features, in_features, bias,
-                                                                           dtype):
-    """float32, and bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16)."""
-    gen = torch.Generator().manual_seed(rows)
-    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(dtype)
-    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
-    x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    y = kernels.linear(x, weight, b)
-    assert y.dtype == dtype
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
-    else:       # the float32 sum of the same bf16 numbers, rounded to bf16 once: within one bf16 step
-        exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
-        torch.testing.assert_close(y.float(), exact, atol=1e-2, rtol=8e-3)
-    if rows <= kernels.FLOAT_LINEAR_MAX_ROWS:      # each row alone: the same sum in the same order, bit for bit
-        alone = torch.cat([kernels.linear(x[i:i + 1], weight, b) for i in range(rows)])
-        assert torch.equal(y, alone)
-    kernels.set_float_prefetch(False)         # fetching ahead reads the same numbers
-    try:
-        assert torch.equal(kernels.linear(x, weight, b), y)
-    finally:
-        kernels.set_float_prefetch(True)
-    assert kernels.linear(x.view(1, rows, in_features), weight, b).shape == (1, rows, out_features)
-    half = kernels.linear(x.half(), weight.half(), None)            # other dtypes: torch's product
-    torch.testing.assert_close(half, F.linear(x.half(), weight.half()), atol=0, rtol=0)
-
-
-PACKED_BF16 = kernels is not None and kernels.bf16_packed_run()
-
-
-def check_rows_alone_and_products_off(x, weight, packed, b, y) -> None:
-    """What every packed product owes: each row of y = linear(x, packed, b) bit for bit what it is
-    alone, x's leading dimensions kept, and with the native products off torch's product of the same
-    matrix."""
-    rows, in_features = x.shape
-    alone = torch.cat([kernels.linear(x[i:i + 1], packed, b) for i in range(rows)])
-    assert torch.equal(y, alone)
-    assert kernels.linear(x.view(1, rows, in_features), packed, b).shape == (1, rows, weight.shape[0])
-    kernels.set_native_float_products(False)          # benchmarks' switch: torch's product of the same matrix
-    try:
-        torch.testing.assert_close(kernels.linear(x, packed, b), F.linear(x, weight, b))
-    finally:
-        kernels.set_native_float_products(True)
-
-
-@pytest.mark.skipif(not PACKED_BF16, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
-@pytest.mark.parametrize("rows", [1, 3, 5, 6, 16, 17, 64, 65, 130])
-@pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 64)])   # whole groups of 4 tiles, and 3
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_tile_product_matches_torch_and_no_row_depends_on_the_batch(rows, out_features, in_features, bias):
-    """The product of a packed bf16 weight (AMX tiles, or AVX512-BF16 vectors where the CPU grants no
-    tiles): within one bf16 step of the exact sum, and each row
-    bit for bit what it is alone, at every row count (tiles of 16 rows, the last one partial)."""
-    gen = torch.Generator().manual_seed(rows)
-    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).bfloat16()
-    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    packed = kernels.tile_pack(weight)
-    assert packed.shape == (out_features // 16, in_features // 32, 16, 16, 2)
-    assert torch.equal(kernels.tile_unpack(packed), weight)
-    y = kernels.linear(x, packed, b)
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
-    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    torch.testing.assert_close(y.float(), exact, atol=1e-2, rtol=8e-3)
-    # rounded to the nearest bf16: off by at most half a step of exact's binade (and the float32 sums' slack)
-    half_step = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=2.0 ** -100))) - 8)
-    assert ((y.float() - exact).abs() <= half_step + 1e-5 * exact.abs() + 1e-6).all()
-    check_rows_alone_and_products_off(x, weight, packed, b, y)
-
-
-PACKED_F32 = kernels is not None and kernels.HAS_F32_PACKED
-
-
-@pytest.mark.skipif(not PACKED_F32, reason="no packed float32 product here (AVX-512)")
-@pytest.mark.parametrize("rows", [1, 3, 5, 6, 16, 17, 64, 65, 130])
-@pytest.mark.parametrize("out_features,in_features", [(256, 768), (48, 40)])   # whole groups of 4 blocks, and 3
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_packed_float32_product_matches_torch_and_no_row_depends_on_the_batch(rows, out_features, in_features,
-                                                                                  bias):
-    """The product of a packed float32 weight (AVX-512 vectors, each column's inputs summed in order):
-    torch's product within float32 rounding, and each row bit for bit what it is alone, at every row
-    count (above 64 rows too, where unpacked weights go through torch's product)."""
+def test_each_format_s_product_matches_its_reference_and_no_row_depends_on_the_batch(fmt, rows, out_features,
+                                                                                     in_features, bias):
+    """Every packed format at every row count: its reference (torch's product of the same matrix, or the
+    quantized function in torch) within the activations' rounding, and each row bit for bit what it is
+    alone (a verify run reads what its decode steps would; prompts' many rows widen a group's weights once,
+    a few rows widen them in registers: the same sums)."""
+    dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
-    b = torch.randn(out_features, generator=gen) if bias else None
-    x = torch.randn(rows, in_features, generator=gen)
-    packed = kernels.tile_pack(weight)
-    assert packed.shape == (out_features // 16, in_features, 16)
-    assert torch.equal(kernels.tile_unpack(packed), weight)
-    y = kernels.linear(x, packed, b)
-    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
-    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
-    check_rows_alone_and_products_off(x, weight, packed, b, y)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    packed, scale, reference = packed_layer(fmt, weight, b, dtype)
+    assert kernels.is_packed(packed, scale)
+    y = kernels.linear(x, packed, b, scale)
+    assert y.dtype == dtype and y.shape == (rows, out_features)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), reference(x), atol=1e-5, rtol=1e-5)
+    else:       # the float32 sum of the same bf16 numbers, rounded to bf16 once: within one bf16 step
+        torch.testing.assert_close(y.double(), reference(x), atol=1e-2, rtol=8e-3)
+    alone = torch.cat([kernels.linear(x[i:i + 1], packed, b, scale) for i in range(rows)])
+    assert torch.equal(y, alone)
+    assert kernels.linear(x.view(1, rows, in_features), packed, b, scale).shape == (1, rows, out_features)
 
 
-@pytest.mark.skipif(not PACKED_F32, reason="no packed float32 product here (AVX-512)")
-def test_float32_weights_of_whole_blocks_pack_and_a_packed_one_refuses_other_inputs():
+@pytest.mark.parametrize("fmt", ["int8", "w8a8_int8", "int4"])
+def test_a_quantized_product_takes_bf16_rows_too(fmt):
     gen = torch.Generator().manual_seed(0)
-    kept = torch.randn(40, 64, generator=gen)                         # 40 columns: not whole blocks of 16
-    assert kernels.tile_pack(kept).data_ptr() == kept.data_ptr()
-    packed = kernels.tile_pack(torch.randn(48, 64, generator=gen))
-    with pytest.raises(RuntimeError, match="packed float32 weight takes float32 rows of 64"):
-        kernels.linear(torch.randn(2, 64).bfloat16(), packed, None)
-    with pytest.raises(RuntimeError, match="packed float32 weight takes float32 rows of 64"):
-        kernels.linear(torch.randn(2, 32), packed, None)
-    with pytest.raises(RuntimeError, match="bias of a packed float32 weight is 48 float32"):
+    weight = torch.randn(64, 96, generator=gen) / 10
+    x = torch.randn(5, 96, generator=gen).bfloat16()
+    packed, scale, reference = packed_layer(fmt, weight, None, torch.bfloat16)
+    y = kernels.linear(x, packed, None, scale)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), reference(x), atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_isa_paths_and_the_portable_ones_agree(fmt):
+    """The ISA-specific products this build has (AMX, AVX512-BF16, AVX512-VNNI, AVX2's integer ones)
+    against the portable vectors on the same weights: the quantized formats' exact integer sums bit for bit;
+    bf16 pairs multiplied in hardware within bf16 rounding of the widened float sums."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(80, 192, generator=gen) / 14
+    dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
+    x = torch.randn(21, 192, generator=gen).to(dtype)
+    b = torch.randn(80, generator=gen).to(dtype)
+    packed, scale, _ = packed_layer(fmt, weight, b, dtype)
+    fast = kernels.linear(x, packed, b, scale)
+    before = kernels.set_tuning(isa_products=False)
+    try:
+        assert "AVX" not in kernels.product_path(fmt) and "AMX" not in kernels.product_path(fmt)
+        portable = kernels.linear(x, packed, b, scale)
+    finally:
+        kernels.set_tuning(**before)
+    if fmt == "bfloat16":
+        torch.testing.assert_close(fast.float(), portable.float(), atol=1e-2, rtol=8e-3)
+    else:
+        assert torch.equal(fast, portable)
+
+
+def test_the_build_s_features_decide_the_paths():
+    """What runs where is what the build was compiled for (never what the test machine has)."""
+    built = kernels.build_features()
+    assert built["vector_bits"] in (128, 256, 512)
+    assert (kernels.product_path("bfloat16") in ("AVX512-BF16", "AMX tiles")) == kernels.bf16_native()
+    assert kernels.bf16_native() == (built["avx512_bf16"] or (built["amx_bf16"] and kernels.product_path(
+        "bfloat16") == "AMX tiles"))
+    assert (kernels.product_path("int4") == "AVX512-VNNI") == (built["avx512_vnni"] and built["avx512"])
+    assert (kernels.product_path("int4") == "AVX2") == (built["avx2"] and not built["avx512_vnni"])
+    assert kernels.product_path("float32") == f"portable {built['vector_bits']}-bit vectors"
+
+
+def test_packing_round_trips_and_shapes_that_do_not_pack_stay_as_loaded():
+    from engine.models import quant
+    gen = torch.Generator().manual_seed(0)
+    for dtype, shape in ((torch.float32, (3, 64, 16)), (torch.bfloat16, (3, 2, 16, 16, 2))):
+        weight = torch.randn(48, 64, generator=gen).to(dtype)
+        packed = kernels.pack_float(weight)
+        assert packed.shape == shape and torch.equal(kernels.unpack_float(packed), weight)
+    for weight in (torch.randn(40, 64, generator=gen),                  # 40 columns: not whole blocks of 16
+                   torch.randn(48, 48, generator=gen).bfloat16()):      # 48 bf16 inputs: not pairs of 32
+        assert kernels.pack_float(weight).data_ptr() == weight.data_ptr()
+    before = kernels.set_tuning(native_products=False)                 # loaded with the products off: nothing packs
+    try:
+        assert kernels.pack_float(torch.randn(48, 64, generator=gen)).dim() == 2
+    finally:
+        kernels.set_tuning(**before)
+    q, scale = quant.quantize_int4(torch.randn(40, 70, generator=gen))
+    assert q.shape == (40, 96) and scale.shape == (40, 3) and q.min() >= -8 and q.max() <= 7
+    packed, scales = quant.int4_pack(q, scale)
+    assert packed.shape == (3, 3, 4, 64) and scales.shape == (3, 3, 16)
+    unpacked, unpacked_scale = quant.int4_unpack(packed, scales, 40)
+    assert torch.equal(unpacked, q) and torch.equal(unpacked_scale, scale)
+    q8 = quant.quantize_weight(torch.randn(40, 70, generator=gen))[0]
+    assert torch.equal(quant.int8_unpack(quant.int8_pack(q8), 40), q8)
+
+
+def test_int4_quantizes_as_llama_cpp_s_q4_0():
+    """A group's extreme is level -8 (d = extreme / -8, the scale rounded to float16), the rest trunc(w / d
+    + 8.5) - 8 capped at 7: q4_0's rule, so the two formats read the same numbers from the same weights."""
+    from engine.models import quant
+    group = torch.linspace(-1.0, 0.5, 32)
+    q, scale = quant.quantize_int4(group[None, :])
+    d = torch.tensor(-1.0 / -8).half().float()
+    assert scale.item() == d.item() and q[0, 0] == -8
+    want = torch.clamp(torch.trunc(group / d + 8.5), 0, 15) - 8
+    assert torch.equal(q[0].float(), want)
+
+
+def test_a_packed_weight_refuses_other_inputs():
+    from engine.models import quant
+    gen = torch.Generator().manual_seed(0)
+    packed = kernels.pack_float(torch.randn(48, 64, generator=gen))
+    with pytest.raises(RuntimeError, match="packed Float weight takes Float rows, not BFloat16"):
+        kernels.linear(torch.randn(2, 64).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="input width 32 != the weight's 64"):
+        kernels.linear(torch.randn(2, 32), packed)
+    with pytest.raises(RuntimeError, match=r"bias must be \[48\]"):
         kernels.linear(torch.randn(2, 64), packed, torch.zeros(47))
-    kernels.set_native_float_products(False)          # loaded with the native products off: nothing packs
-    try:
-        assert kernels.tile_pack(torch.randn(48, 64, generator=gen)).dim() == 2
-    finally:
-        kernels.set_native_float_products(True)
-
-
-@pytest.mark.skipif(not PACKED_BF16, reason="no packed bf16 product here (AMX tiles, or AVX512-BF16 vectors)")
-def test_only_bf16_weights_of_whole_tiles_pack_and_a_packed_weight_refuses_other_inputs():
-    gen = torch.Generator().manual_seed(0)
-    for weight in (torch.randn(40, 64, generator=gen).bfloat16(),      # 40 columns: not whole tiles of 16
-                   torch.randn(48, 48, generator=gen).bfloat16()):     # 48 inputs: not whole blocks of 32
-        kept = kernels.tile_pack(weight)
-        assert kept.shape == weight.shape and kept.data_ptr() == weight.data_ptr()
-    packed = kernels.tile_pack(torch.randn(48, 64, generator=gen).bfloat16())
-    with pytest.raises(RuntimeError, match="tile-packed weight takes bf16 rows of 64"):
-        kernels.linear(torch.randn(2, 64), packed, None)
-    with pytest.raises(RuntimeError, match="tile-packed weight takes bf16 rows of 64"):
-        kernels.linear(torch.randn(2, 32).bfloat16(), packed, None)
-    with pytest.raises(RuntimeError, match="bias of a tile-packed weight is 48 bf16"):
-        kernels.linear(torch.randn(2, 64).bfloat16(), packed, torch.zeros(47).bfloat16())
-    kernels.set_native_float_products(False)          # loaded with the native products off: nothing packs
-    try:
-        weight = torch.randn(48, 64, generator=gen).bfloat16()
-        assert kernels.tile_pack(weight).dim() == 2
-    finally:
-        kernels.set_native_float_products(True)
+    layer = quant.Int4Linear(torch.randn(32, 64, generator=gen), None)
+    with pytest.raises(RuntimeError, match="does not fit the weight's 64"):
+        kernels.linear(torch.randn(2, 96), layer.packed, None, layer.scale)
+    with pytest.raises(RuntimeError, match="a scale comes with a packed int8 or int4 weight"):
+        kernels.linear(torch.randn(2, 64), torch.randn(32, 64), None, torch.ones(32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -200,18 +200,18 @@ def test_moe_experts_match_the_grouped_torch_path(dtype, tokens, held, hidden):
     reference = experts.forward_grouped(x, expert_ids, weights)
     native = kernels.moe_experts(x, expert_ids, weights, experts.gate_up_proj, experts.down_proj, experts.first)
     torch.testing.assert_close(native, reference, **tolerance(dtype))
-    if dtype == torch.bfloat16 and PACKED_BF16 and hidden == 64:       # each expert packed for the tile product
-        gate_up, down = kernels.tile_pack(experts.gate_up_proj), kernels.tile_pack(experts.down_proj)
+    if dtype == torch.bfloat16 and hidden == 64:       # each expert packed (bf16: whole pairs of 32 inputs)
+        gate_up, down = kernels.pack_float(experts.gate_up_proj), kernels.pack_float(experts.down_proj)
         count = held[1] - held[0]
         assert gate_up.shape == (count, 4, 2, 16, 16, 2) and down.shape == (count, 4, 1, 16, 16, 2)
-        assert torch.equal(kernels.tile_unpack(gate_up[1]), experts.gate_up_proj[1])
+        assert torch.equal(kernels.unpack_float(gate_up[1]), experts.gate_up_proj[1])
         tiled = kernels.moe_experts(x, expert_ids, weights, gate_up, down, experts.first)
         torch.testing.assert_close(tiled, reference, **tolerance(dtype))
-    if dtype == torch.float32 and PACKED_F32:        # each expert packed for the vectors (48 outputs too)
-        gate_up, down = kernels.tile_pack(experts.gate_up_proj), kernels.tile_pack(experts.down_proj)
+    if dtype == torch.float32:        # each expert packed (48 outputs too)
+        gate_up, down = kernels.pack_float(experts.gate_up_proj), kernels.pack_float(experts.down_proj)
         count = held[1] - held[0]
         assert gate_up.shape == (count, 4, hidden, 16) and down.shape == (count, hidden // 16, 32, 16)
-        assert torch.equal(kernels.tile_unpack(gate_up[1]), experts.gate_up_proj[1])
+        assert torch.equal(kernels.unpack_float(gate_up[1]), experts.gate_up_proj[1])
         packed = kernels.moe_experts(x, expert_ids, weights, gate_up, down, experts.first)
         torch.testing.assert_close(packed, reference, **tolerance(dtype))
     if held == (2, 5):             # rows routed to no held expert stay 0
@@ -379,17 +379,14 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         assert all((type(m) is NativeLinear) == (choice == "native") for m in linears)
         described = cpu_native.describe_cpu_path(model)
-        assert described.startswith("pure torch") if choice == "torch" else \
-            f"products of up to {kernels.FLOAT_LINEAR_MAX_ROWS} rows" in described
-        assert choice == "torch" or ("bfloat16 products" in described) == kernels.HAS_BF16_PRODUCT
-        packed = [m for m in linears if type(m) is NativeLinear and m.native_weight.dim() == 5]
-        assert bool(packed) == (choice == "native" and dtype == torch.bfloat16 and PACKED_BF16)
-        assert (f"packed for {kernels.bf16_packed_products()}" in described) == bool(packed)
-        packed_f32 = [m for m in linears if type(m) is NativeLinear and m.native_weight.dim() == 3]
-        assert bool(packed_f32) == (choice == "native" and dtype == torch.float32 and PACKED_F32)
-        assert ("float32 weights packed for AVX-512 vectors" in described) == bool(packed_f32)
-        assert ("each layer stack in one parallel region" in described) == (
-            bool(packed or packed_f32) and torch.get_num_threads() > 1)
+        if choice == "torch":
+            assert described.startswith("pure torch")
+        else:
+            fmt = str(dtype).removeprefix("torch.")
+            assert f"built for {cpu_native.build_arch()}" in described
+            assert f"{fmt} products on {kernels.product_path(fmt)}" in described
+            assert any(kernels.is_packed(m.native_weight) for m in linears)
+            assert ("each layer stack in one parallel region" in described) == (torch.get_num_threads() > 1)
         runner = PagedRunner(model.kv_layout(), dtype, max_context=128, page_size=4)
         gen = torch.Generator().manual_seed(0)
         steps = [[(0, torch.randint(0, 4096, (37,), generator=gen).tolist()), (1, [5, 6, 7, 8, 9])]]
@@ -402,7 +399,7 @@ def test_a_model_gives_the_same_logits_on_both_paths(dtype, name):
         assert same >= 0.95 and (logits["native"] - logits["torch"]).abs().max() < 0.5
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_the_stacked_layers_call_equals_the_layers_one_by_one(quantization):
     """dense_layers runs the same dense_layer calls in order: the same logits, bit for bit."""
     from engine.models.loader import load_model
@@ -418,27 +415,26 @@ def test_the_stacked_layers_call_equals_the_layers_one_by_one(quantization):
     assert torch.equal(*logits)
 
 
-TEAM_CASES = [("bfloat16", None, PACKED_BF16), ("float32", None, PACKED_F32), ("bfloat16", "w8a8_int8", True)]
+TEAM_CASES = [("bfloat16", None), ("float32", None), ("bfloat16", "w8a8_int8"), ("float32", "int8"),
+              ("float32", "int4")]
 
 
 @pytest.fixture
 def two_threads():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    before = kernels.tuning()
     yield
     torch.set_num_threads(threads)
-    kernels.set_teams(True)
-    kernels.set_own_rows(True)
+    kernels.set_tuning(**before)
 
 
-@pytest.mark.parametrize("dtype,quantization,packed", TEAM_CASES)
-def test_a_stack_in_one_parallel_region_reads_what_a_region_per_loop_reads(dtype, quantization, packed, two_threads):
+@pytest.mark.parametrize("dtype,quantization", TEAM_CASES)
+def test_a_stack_in_one_parallel_region_reads_what_a_region_per_loop_reads(dtype, quantization, two_threads):
     """dense_layers with every thread in one region for the whole stack (a team) gives the logits of the
     same kernels opening a region per loop, bit for bit, for prompts, decode steps and verify runs, with
     the row-wise steps of a few rows each thread's own or shared out; an EAGLE head's layer runs in a
-    team too."""
-    if not packed:
-        pytest.skip(f"{dtype} weights are not packed on this CPU")
+    team too. Every format's products run in a team."""
     from engine.models.loader import load_draft, load_model
     from engine.models.testing import PagedRunner, step_logits
     model = load_model(DENSE, getattr(torch, dtype), "cpu", cpu_kernels="native", quantization=quantization)[0]
@@ -446,13 +442,12 @@ def test_a_stack_in_one_parallel_region_reads_what_a_region_per_loop_reads(dtype
              [(0, [3]), (1, [5]), (2, list(range(60, 80)))]]
     logits, ran = {}, {}
     for team, own_rows in ((True, True), (True, False), (False, True)):      # own rows: a few rows each thread's
-        kernels.set_teams(team)
-        kernels.set_own_rows(own_rows)
+        kernels.set_tuning(teams=team, own_rows=own_rows)
         before = kernels.team_stacks_run()
         runner = PagedRunner(model.kv_layout(), getattr(torch, dtype), max_requests=3, max_context=64)
         logits[team, own_rows] = step_logits(model, runner, steps)
         ran[team, own_rows] = kernels.team_stacks_run() - before
-    kernels.set_own_rows(True)
+    kernels.set_tuning(own_rows=True)
     assert ran == {(True, True): len(steps), (True, False): len(steps), (False, True): 0}
     assert torch.equal(logits[True, True], logits[False, True])
     assert torch.equal(logits[True, False], logits[False, True])
@@ -461,7 +456,7 @@ def test_a_stack_in_one_parallel_region_reads_what_a_region_per_loop_reads(dtype
     features = torch.randn(6, head.hidden_size, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
     outs = {}
     for team in (True, False):
-        kernels.set_teams(team)
+        kernels.set_tuning(teams=team)
         before = kernels.team_stacks_run()
         ids, batch = PagedRunner(head.kv_layout(), getattr(torch, dtype), max_requests=2, max_context=16).step(
             [(0, [4, 5, 6, 7]), (1, [8, 9])])
@@ -489,7 +484,7 @@ def test_a_team_s_failed_loop_raises_and_the_next_stack_runs(two_threads):
     runner.req_to_slot[1, 1] = slot
     with torch.inference_mode():
         in_team = model(ids, batch).hidden
-        kernels.set_teams(False)
+        kernels.set_tuning(teams=False)
         assert torch.equal(in_team, model(ids, batch).hidden)
 
 
@@ -535,14 +530,14 @@ def draft_step_by_step(head, first, hidden, start, table, kv, steps, keep, thres
     return torch.stack(drafts, 1), kept_rows, confidences
 
 
-@pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
-@pytest.mark.parametrize("quantization", [None, "int8", "w8a8_int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8_int8", "int4"])
 @pytest.mark.parametrize("trim", ["none", "rows-drop", "early-end"])
 def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, trim, two_threads):
     """eagle_chain (LlamaForCausalLMEagle.draft_chain) against the worker's loop from Python: the
     same drafts, the same rows kept, the chain ending at the same step, the same keys and values in
     the cache. The head reads a prompt of repeated tokens, so its drafts are confident. Where its
-    products run in a team (packed weights, W8A8), the whole chain runs in one parallel region."""
+    products run in a team (every packed format), the whole chain runs in one parallel region."""
     from engine.models.loader import load_draft, load_model
     from engine.models.testing import PagedRunner
     target = load_model(DENSE, dtype, "cpu", cpu_kernels="native", quantization=quantization)[0]
@@ -569,9 +564,7 @@ def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, tr
         before = kernels.team_chains_run()
         native_drafts, native_kept = head.draft_chain(first, hidden, start, table, runners[1].kv, steps, keep,
                                                       threshold)
-    in_team = quantization == "w8a8_int8" or (quantization is None and dtype == torch.bfloat16 and PACKED_BF16) \
-        or (quantization is None and dtype == torch.float32 and PACKED_F32)
-    assert kernels.team_chains_run() - before == in_team
+    assert kernels.team_chains_run() - before == 1
     assert torch.equal(native_drafts, drafts) and torch.equal(native_kept, kept)
     assert {"none": kept.shape[0] == steps and torch.equal(kept[-1], keep),
             "rows-drop": kept.shape[0] >= 1 and not torch.equal(kept[-1], keep) or kept.shape[0] < steps,
@@ -579,8 +572,8 @@ def test_the_native_draft_chain_is_the_head_step_by_step(dtype, quantization, tr
     assert torch.equal(runners[0].kv.k[0], runners[1].kv.k[0]) and torch.equal(runners[0].kv.v[0], runners[1].kv.v[0])
 
 
-@pytest.mark.parametrize("dtype", NATIVE_PRODUCT_DTYPES)
-@pytest.mark.parametrize("quantization", [None, "int8", "w8a8_int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8_int8", "int4"])
 def test_the_native_extend_is_the_heads_modules(dtype, quantization):
     """eagle_extend (LlamaForCausalLMEagle.extend_native) against what the EAGLE worker's extend runs
     from Python: the head over verify-like runs of 1, 3 and 5 tokens a row (after prompts of different

@@ -1,5 +1,5 @@
-"""The CPU's default dtype (--dtype auto): bfloat16 where the native kernels multiply bf16, else
-float32, and float32 with int8 weights; the default server says which it runs, and its greedy
+"""The CPU's default dtype (--dtype auto): bfloat16 where the native kernels multiply bf16 pairs in
+hardware, else float32, and float32 with quantized weights; the default server says which it runs, and its greedy
 tokens are those of transformers running the same weights in bfloat16."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.engine_harness import engine, run_batch
 from tests.server_harness import DENSE, running_server
 
 kernels = cpu_native.cpu_kernels("auto")
-HAS_BF16 = kernels is not None and kernels.HAS_BF16_PRODUCT
+HAS_BF16 = kernels is not None and kernels.bf16_native()
 
 
 def test_auto_follows_the_kernels_and_the_cpu(monkeypatch):
@@ -36,7 +36,7 @@ TOLERANCE = 0.25          # logits; bf16 rounds at about 0.4% of a value
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_BF16, reason="needs the native kernels on a CPU with AVX512-BF16")
+@pytest.mark.skipif(not HAS_BF16, reason="needs the native kernels multiplying bf16 pairs in hardware")
 def test_the_default_server_says_it_runs_bfloat16(tmp_path):
     with running_server(["--model-path", str(DENSE), "--dtype", "auto"], tmp_path / "server.log") as server:
         body = json.dumps({"model": DENSE.name, "prompt": "def add(a, b):", "max_tokens": 4}).encode()
@@ -46,12 +46,11 @@ def test_the_default_server_says_it_runs_bfloat16(tmp_path):
     log = (tmp_path / "server.log").read_text()
     assert "dtype bfloat16 (--dtype auto" in log
     threads = os.cpu_count() or 1            # the stream's threads (engine/rank_main.py: cpu_threads)
-    assert (f"each layer stack in one parallel region of {threads} threads" in log) == (
-        kernels.bf16_packed_run() and threads > 1)
+    assert (f"each layer stack in one parallel region of {threads} threads" in log) == (threads > 1)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_BF16, reason="needs the native kernels on a CPU with AVX512-BF16")
+@pytest.mark.skipif(not HAS_BF16, reason="needs the native kernels multiplying bf16 pairs in hardware")
 async def test_default_greedy_tokens_are_transformers_bfloat16_choices():
     """Each greedy token of the default (bf16) ranks, fed back to transformers in bf16, is its
     argmax up to bf16's rounding of the logits; most are its argmax exactly."""

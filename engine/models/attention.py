@@ -24,7 +24,7 @@ request rows and the request->slot table), so the same builder runs on CPU data
 or on device-resident lengths that the CPU has not seen (speculation with overlap).
 Only the padded sizes Q and K must be known on the CPU.
 
-The native CPU kernels (devices/cpu_kernels.cpp) read those four inputs directly (`SeqLayout`)
+The native CPU kernels (devices/native/attention.cpp) read those four inputs directly (`SeqLayout`)
 and walk each sequence's slots in place; the tensors above are built on first use, so a forward
 on the native path never builds them.
 """

@@ -25,14 +25,14 @@ class ModelOutput(NamedTuple):
 
 
 class VocabProjection:
-    """The LM head's product, through the submodule `lm_head_int8` when the model is quantized
-    (engine/models/quant.py: quantize_lm_head), else through the native CPU kernels' `linear` when
-    the model runs them (a few float32 rows natively, else torch's product)."""
+    """The LM head's product, through the submodule `lm_head_quantized` when the model is quantized
+    (engine/models/quant.py: quantize_lm_head), else through the native CPU kernels' `linear` on the
+    packed weight when the model runs them, else torch's product."""
 
     kernels = None          # the native CPU kernels, when the model runs them (use_cpu_kernels)
 
     def project_to_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
-        quantized = self._modules.get("lm_head_int8")
+        quantized = self._modules.get("lm_head_quantized")
         if quantized is not None:
             return quantized(hidden)
         if self.kernels is not None:
@@ -45,7 +45,7 @@ class VocabProjection:
         weight = self.lm_head_weight()
         held = self.__dict__.get("native_lm_head_of")
         if held is None or held[0] is not weight:
-            held = (weight, self.kernels.tile_pack(weight))
+            held = (weight, self.kernels.pack_float(weight))
             self.__dict__["native_lm_head_of"] = held
         return held[1]
 

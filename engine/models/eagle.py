@@ -77,7 +77,7 @@ class LlamaForCausalLMEagle(DraftHead):
                     kv, steps: int, keep: torch.Tensor,
                     threshold: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The chain forward -> compute_logits -> top_choice would draft step by step, in one native
-        call (devices/cpu_kernels.cpp: eagle_chain): step i reads the last draft and output at
+        call (devices/native/draft.cpp: eagle_chain): step i reads the last draft and output at
         position start + i - 1 of each row; a row keeps verifying while its drafts' probabilities
         stay >= threshold, and the chain ends before a draft no row keeps. Where the kernels cannot
         run the whole head (no kernels, a token map, a layer module by module, a cache of another
@@ -90,7 +90,7 @@ class LlamaForCausalLMEagle(DraftHead):
     def extend_native(self, tokens: torch.Tensor, features: torch.Tensor, batch: AttentionBatch,
                       pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """forward over the verified tokens -> the rows `pick` -> compute_logits -> top_choice in one
-        native call (devices/cpu_kernels.cpp: eagle_extend); None where draft_chain's is None."""
+        native call (devices/native/draft.cpp: eagle_extend); None where draft_chain's is None."""
         parts = self.native_chain_parts(batch.kv)
         if parts is None:
             return None
@@ -102,7 +102,7 @@ class LlamaForCausalLMEagle(DraftHead):
         """The head's tensors and scalars in eagle_chain's and eagle_extend's order, where the kernels
         run it whole. Built once for the kernels, token map, LM head and cache dtype the head has: a
         speculative step reads them twice, and a build took 12-22 µs (an AMD EPYC, 2 cores)."""
-        key = (self.kernels, self.hot_ids, self.lm_head_weight(), self._modules.get("lm_head_int8"), kv.k[0].dtype)
+        key = (self.kernels, self.hot_ids, self.lm_head_weight(), self._modules.get("lm_head_quantized"), kv.k[0].dtype)
         held = self.__dict__.get("native_parts_of")
         if held is None or any(now is not then for now, then in zip(key, held[0])):
             held = (key, self.build_native_parts(kv.k[0].dtype))
@@ -115,10 +115,9 @@ class LlamaForCausalLMEagle(DraftHead):
         if (weights is None or self.hot_ids is not None or self.embed_tokens is None
                 or cache_dtype != self.embed_tokens.weight.dtype):
             return None
-        quantized = self._modules.get("lm_head_int8")
+        quantized = self._modules.get("lm_head_quantized")
         head_w, head_s = ((quantized.packed, quantized.scale) if quantized is not None
                           else (self.native_lm_head(), None))
         fc_w, fc_b, fc_s = linear_parts(self.fc)
-        eps, qk_eps, scalars = weights[2], weights[17], weights[18:]
         return (self.embed_tokens.weight, self.rotary.inv_freq.float(), fc_w, fc_b, fc_s, head_w, head_s,
-                [weights[0], weights[1], *weights[3:17]], eps, qk_eps, *scalars)
+                *weights)

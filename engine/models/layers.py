@@ -51,12 +51,12 @@ def use_cpu_kernels(model: nn.Module, kernels) -> None:
     (devices/cpu_native.py); None: the pure-torch path. Both compute the same function."""
     from engine.models.base import VocabProjection
     from engine.models.moe import StackedExperts
-    from engine.models.quant import Int8Linear
+    from engine.models.quant import QuantizedLinear
 
     for module in model.modules():
         if type(module) is nn.Linear and kernels is not None:
             module.__class__ = NativeLinear          # the same module and parameters, the native product
-        if isinstance(module, (RMSNorm, Attention, GatedMLP, Int8Linear, StackedExperts, VocabProjection,
+        if isinstance(module, (RMSNorm, Attention, GatedMLP, QuantizedLinear, StackedExperts, VocabProjection,
                                NativeLinear)):
             module.kernels = kernels
         for cached in NATIVE_CACHES:                 # built for the kernels the model had, or for none
@@ -75,26 +75,25 @@ def pack_native_weights(model: nn.Module) -> None:
             _ = module.native_weight                         # cached_property: packs on first read
         elif isinstance(module, StackedExperts):
             _ = module.native_weights
-        elif (isinstance(module, VocabProjection) and module._modules.get("lm_head_int8") is None
+        elif (isinstance(module, VocabProjection) and module._modules.get("lm_head_quantized") is None
               and module.lm_head_weight() is not None):      # a draft head's is bound later
             module.native_lm_head()
 
 
 class NativeLinear(nn.Linear):
-    """An nn.Linear whose product runs through the native CPU kernels' `linear`: a few float32 rows
-    (decode, verify, draft steps) natively, else torch's product. use_cpu_kernels turns a model's
-    nn.Linear modules into these; the layers that run in one native call (dense_layer) read their
-    weights directly."""
+    """An nn.Linear whose product runs through the native CPU kernels' `linear` on its packed weight, at
+    every row count (a weight the kernels do not pack goes through torch's product). use_cpu_kernels turns
+    a model's nn.Linear modules into these; the layers that run in one native call (dense_layer) read
+    their weights directly."""
 
     kernels = None
 
     @functools.cached_property
     def native_weight(self) -> torch.Tensor:
-        """The weight as the kernels' `linear` reads it fastest: packed once for the vector or tile
-        products where they run (bf16 on a CPU with amx_bf16 or avx512_bf16, float32 with avx512f;
-        devices/cpu_kernels.cpp: tile_pack), else the weight itself. `weight` stays as loaded, for
-        everything else that reads it."""
-        return self.kernels.tile_pack(self.weight) if self.kernels is not None else self.weight
+        """The weight as the kernels' `linear` reads it: packed once into blocks of 16 output columns
+        (devices/native/products.h), else the weight itself (a shape the kernels do not pack). `weight`
+        stays as loaded, for everything else that reads it."""
+        return self.kernels.pack_float(self.weight) if self.kernels is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
@@ -220,11 +219,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---------------------------------------------------------------------------- blocks
 
 def linear_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(weight, bias, scale) as the native kernels read a linear layer: an nn.Linear's weight (scale
-    None), or an Int8Linear's packed int8 weight and its scales."""
-    from engine.models.quant import Int8Linear
+    """(weight, bias, scale) as the native kernels read a linear layer: a float weight packed (scale
+    None), or a quantized linear's packed weight and its scales."""
+    from engine.models.quant import QuantizedLinear
 
-    if isinstance(module, Int8Linear):
+    if isinstance(module, QuantizedLinear):
         return module.packed, module.bias, module.scale
     if isinstance(module, NativeLinear):
         return module.native_weight, module.bias, None

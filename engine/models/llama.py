@@ -12,6 +12,7 @@ MoE models (`moe.py`) reuse this class and only replace `make_mlp`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -20,7 +21,23 @@ from engine.models.attention import AttentionBatch
 from engine.models.base import CausalLM, ModelOutput
 from engine.models.layers import (Attention, GatedMLP, RMSNorm, Rope, RotaryEmbedding, check_dense_attention,
                                   config_value, head_dim_of, linear_parts, rope_parameters)
-from engine.models.quant import NATIVE_MAX_ROWS as INT8_NATIVE_MAX_ROWS
+
+
+class NativeLayer(NamedTuple):
+    """What the native kernels' dense_layer reads of a layer: its tensors in the kernels' order
+    (input_norm, post_norm, qkv w/b/s, o w/b/s, gate_up w/b/s, down w/b/s, q_norm, k_norm; absent ones
+    None), then the scalars (`scalars`: every layer of a stack must share them)."""
+    tensors: list
+    eps: float
+    qk_eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @property
+    def scalars(self) -> tuple:
+        return self[1:]
 
 
 class DecoderLayer(nn.Module):
@@ -45,9 +62,9 @@ class DecoderLayer(nn.Module):
 
 
     @functools.cached_property
-    def native_weights(self) -> tuple | None:
-        """What the native kernels' dense_layer reads, in its order; None: the layer runs module by
-        module (no native kernels, an MoE block, projections not stacked)."""
+    def native_weights(self) -> NativeLayer | None:
+        """What the native kernels' dense_layer reads; None: the layer runs module by module (no native
+        kernels, an MoE block, projections not stacked)."""
         attn, mlp = self.self_attn, self.mlp
         if (attn.kernels is None or not isinstance(mlp, GatedMLP) or attn.qkv_proj is None
                 or mlp.gate_up_proj is None):
@@ -55,11 +72,12 @@ class DecoderLayer(nn.Module):
         norm_in = self.input_layernorm.weight if self.input_layernorm is not None else None
         post = self.post_attention_layernorm
         linears = [linear_parts(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else (None, None, 0.0)
-        return (norm_in, post.weight, post.eps, *(t for parts in linears for t in parts), *qk,
-                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, INT8_NATIVE_MAX_ROWS)
+        q_norm, k_norm, qk_eps = ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+                                  if attn.q_norm is not None else (None, None, 0.0))
+        tensors = [norm_in, post.weight, *(t for parts in linears for t in parts), q_norm, k_norm]
+        return NativeLayer(tensors, post.eps, qk_eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
 
-    def run_native(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch, weights: tuple) -> torch.Tensor:
+    def run_native(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch, weights: NativeLayer) -> torch.Tensor:
         attn, seqs, kv = self.self_attn, batch.layout, batch.kv
         return attn.kernels.dense_layer(x, rope.native(attn.kernels, x.shape[0]), kv.k[attn.layer_id],
                                         kv.v[attn.layer_id], seqs.q_start, seqs.q_lens, seqs.kv_lens, seqs.rows,
@@ -165,18 +183,18 @@ class LlamaForCausalLM(CausalLM):
         weights = [layer.native_weights for layer in self.layers]
         if not weights or any(w is None for w in weights):
             return None
-        scalars = {(w[2], *w[17:]) for w in weights}     # eps, qk_eps, heads, kv heads, head_dim, scale, int8 rows
+        scalars = {w.scalars for w in weights}
         if len(scalars) != 1:
             return None
-        (eps, qk_eps, heads, kv_heads, head_dim, scale, int8_rows), = scalars
-        tensors = [[w[0], w[1], *w[3:17]] for w in weights]
+        (eps, qk_eps, heads, kv_heads, head_dim, scale), = scalars
+        tensors = [w.tensors for w in weights]
         kernels = self.layers[0].self_attn.kernels
 
         def run(x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
             seqs, kv = batch.layout, batch.kv
             return kernels.dense_layers(x, rope.native(kernels, x.shape[0]), kv.k, kv.v, seqs.q_start, seqs.q_lens,
                                         seqs.kv_lens, seqs.rows, seqs.table, tensors, eps, qk_eps, heads, kv_heads,
-                                        head_dim, scale, int8_rows)
+                                        head_dim, scale)
         return run
 
 

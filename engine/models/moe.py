@@ -50,7 +50,7 @@ class StackedExperts(nn.Module):
     def native_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) as the kernels' moe_experts reads them fastest: each expert's matrix packed
         for the vector or tile products where they run (NativeLinear.native_weight), else the stacks as held."""
-        return self.kernels.tile_pack(self.gate_up_proj), self.kernels.tile_pack(self.down_proj)
+        return self.kernels.pack_float(self.gate_up_proj), self.kernels.pack_float(self.down_proj)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, K] -> sum over the k pairs whose expert this module holds

@@ -1,0 +1,141 @@
+// The matrix products y [M, N] = x [M, K] . W (+ bias) of a layer, for every row count: decode steps (a
+// few rows, where reading W is the cost), verify runs, draft steps and prompt chunks (many rows, where the
+// multiply-adds are). W is packed once at load into blocks of 16 output columns, each block's inputs one
+// after another, so that a pass reads a block front to back, multiplies each vector of it by every row of
+// x it runs while the vector is in registers, and sums 16 columns side by side (no sums across lanes).
+// Each column's sum runs over its inputs in order whatever rows share the pass, so a row's outputs never
+// depend on its batch: a verify run reads what its decode steps would, and greedy speculation keeps plain
+// decoding's tokens.
+//
+// The formats (what engine/models hold; pack_float and engine/models/quant.py make them):
+//
+//   format     weight                                    scale                      x and sums
+//   float32    float [N/16, K, 16]                       -                          float, float sums
+//   bfloat16   bf16 [N/16, K/32, 16, 16, 2] (input       -                          float sums (bf16 pairs:
+//              pairs of 16 columns, AMX's B operand)                                AVX512-BF16 or AMX)
+//   int8       int8 [N/16, K, 16], weight-only           float [N] per column       float x, float sums
+//   w8a8_int8  int8 [N/16, K/64, 16, 16, 4]              float [N] per column       x quantized per row,
+//              (input quads, AMX/VNNI's B operand)                                  exact int32 sums
+//   int4       uint8 [N/16, K/32, 4, 64]: 32 inputs of   float16 [N/16, K/32, 16]   x quantized per group
+//              16 columns a group, two quads a byte      per (column, group)        of 32, int32 per group
+//
+// N and K are zero-padded to whole blocks where a format needs it (the scale's length is the true N).
+#pragma once
+
+#include "common.h"
+
+namespace tandem {
+
+constexpr int64_t TILE_ROWS = 16, TILE_COLS = 16;   // rows of x a pass, output columns a block
+constexpr int64_t TILE_GROUP = 4;                    // column blocks a group: 64 outputs a thread takes at once
+constexpr int64_t GROUP_COLS = TILE_GROUP * TILE_COLS;
+constexpr int64_t INT4_GROUP = 32;                   // inputs sharing one int4 scale (llama.cpp's q4_0 block)
+constexpr int64_t W8_K = 64;                         // inputs of a W8A8 block
+
+enum class Format { Float32, Bfloat16, Int8, W8A8, Int4 };
+
+// A packed weight as the products read it: its format, tensors (contiguous) and shape.
+struct Weight {
+  Format format;
+  at::Tensor data, scale, bias;   // bias: undefined where there is none
+  int64_t n_dim = 0;              // outputs (the scale's length where there is one)
+  int64_t k_dim = 0;              // inputs x has (W8A8 and int4: any width within k_padded)
+  int64_t k_padded = 0;           // inputs the packed blocks hold
+  int64_t blocks = 0;             // column blocks of 16
+
+  bool quantized_rows() const { return format == Format::W8A8 || format == Format::Int4; }
+};
+
+// Whether `w` (with `scale`) is in one of the packed formats; weight_of checks it against x's width and
+// dtype and the bias, with `caller` in the error.
+bool is_packed(const at::Tensor& w, const c10::optional<at::Tensor>& scale);
+Weight weight_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
+                 int64_t x_width, at::ScalarType x_dtype, const char* caller);
+
+// Buffers for the rows of x as a product reads them: float copies of bf16 rows, or rows quantized to int8
+// with their scales (per row for W8A8, per group of 32 for int4) and, for int4, each group's sum. Sized for
+// `rows` rows of at most `k_padded` inputs; a team's own rows use one per thread (TeamRows).
+struct RowBuffers {
+  std::vector<float> xf, scales;
+  std::vector<int8_t> q;
+  std::vector<int32_t> sums;
+  RowBuffers() = default;
+  RowBuffers(int64_t rows, int64_t k_padded);
+};
+
+// y [rows, n_dim] = x [rows, k_dim] . w (+ bias) on raw rows, the rows prepared into `buffers` (on this
+// thread alone where `alone`, else spread: a team's shared buffers). The loop over columns is spread.
+template <typename T>
+void product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowBuffers& buffers, T* y,
+                  bool alone = false);
+
+// x [..., K] . W (+ bias) as tensors: a packed weight natively, else torch's product.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& scale);
+
+// W [N, K] (or a stack [E, N, K]) packed for the float products where they run (float32 and bf16, N a
+// multiple of 16, bf16's K of 32), else W itself; the [N, K] matrix of a packed float weight.
+at::Tensor pack_float(const at::Tensor& w);
+at::Tensor unpack_float(const at::Tensor& packed);
+bool is_float_packed(const at::Tensor& w);
+
+// Which path a format's products take on this build and CPU, in the start-up log's words.
+std::string product_path(Format format);
+bool bf16_native();                  // bf16 pairs multiply in hardware here (AVX512-BF16 or AMX)
+
+// The loop of a blocked product: groups of TILE_GROUP column blocks split across the threads (a thread
+// reads only its own columns of W, each group once), and for each group the rows in tiles of TILE_ROWS.
+// ops.group(first, nb) runs before a group's tiles (a pass that widens the group's weights to floats once
+// for all its rows does it there); ops.setup(m) before a tile of m rows where m changed (AMX configures its
+// tiles there) and ops.done() after the thread's last; ops.pass(NB, m0, m, first, c) leaves in c
+// [m][GROUP_COLS] the sums of rows m0 .. m0 + m against blocks first .. first + NB; ops.store(m0, m, first,
+// nb, c) writes them out.
+template <typename Sum, typename Ops>
+void blocked_product(int64_t rows, int64_t n_blocks, const Ops& shared_ops) {
+  const int64_t groups = (n_blocks + TILE_GROUP - 1) / TILE_GROUP;
+  spread(0, groups, 1, [&](int64_t begin, int64_t end) {
+    Ops ops(shared_ops);                      // each thread's own (the state group() leaves)
+    alignas(64) Sum c[TILE_ROWS * GROUP_COLS];
+    int64_t configured = -1;
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * TILE_GROUP, nb = std::min(TILE_GROUP, n_blocks - first);
+      ops.group(first, nb);
+      for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
+        const int64_t m = std::min(TILE_ROWS, rows - m0);
+        if (m != configured) ops.setup(m), configured = m;
+        with_count(nb, [&](auto blocks) { ops.pass(blocks, m0, m, first, c); });
+        ops.store(m0, m, first, nb, c);
+      }
+    }
+    if (configured >= 0) ops.done();
+  });
+}
+
+// What a product's ops do by default before a group, a tile, and after the last.
+struct NoSetup {
+  void group(int64_t, int64_t) {}
+  void setup(int64_t) {}
+  void done() {}
+};
+
+// run(R, r) over the rows [0, m) of a pass in runs of R rows, R at most MAX_R (the registers' limit for
+// the pass: its sums, a weight vector and the broadcast inputs), the last run shorter. A run of 5 or 6 rows
+// (a verify of 4-5 drafts and its bonus token) goes in one run where MAX_R allows and wide_row_runs is on,
+// so the weights are read once for it, not for four rows and again for the rest.
+template <int MAX_R, typename Run>
+void in_row_runs(int64_t m, const Run& run) {
+  if constexpr (MAX_R >= 6) {
+    if (tuning().wide_row_runs && m == 5) return run(std::integral_constant<int, 5>{}, 0);
+    if (tuning().wide_row_runs && m == 6) return run(std::integral_constant<int, 6>{}, 0);
+  }
+  constexpr int R = MAX_R < 4 ? MAX_R : 4;
+  for (int64_t r = 0; r < m; r += R) {
+    const int64_t n = std::min<int64_t>(R, m - r);
+    if constexpr (R >= 4) if (n == 4) { run(std::integral_constant<int, 4>{}, r); continue; }
+    if constexpr (R >= 3) if (n == 3) { run(std::integral_constant<int, 3>{}, r); continue; }
+    if constexpr (R >= 2) if (n == 2) { run(std::integral_constant<int, 2>{}, r); continue; }
+    run(std::integral_constant<int, 1>{}, r);
+  }
+}
+
+}  // namespace tandem
