@@ -62,26 +62,61 @@ void quantize_rows(const T* x, int64_t rows, int64_t k_dim, const Weight& w, Row
 
 constexpr int64_t W8_BLOCK = TILE_COLS * W8_K;    // int8s of a block's 64 inputs
 
-// The portable pass: the int32 sums of rows [0, m) of xq against NB blocks, c [m][GROUP_COLS], a row at a time.
-template <int NB>
-void w8_plain_pass(const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* w, int32_t* c) {
-  const int64_t k_blocks = k_padded / W8_K, column_stride = k_blocks * W8_BLOCK;
-  for (int64_t r = 0; r < m; ++r) {
-    int32_t acc[NB][TILE_COLS] = {};
-    const int8_t* xr = xq + r * k_padded;
-    for (int64_t kb = 0; kb < k_blocks; ++kb) {
-      for (int nb = 0; nb < NB; ++nb) {
-        const int8_t* b = w + nb * column_stride + kb * W8_BLOCK;
-        for (int64_t p = 0; p < W8_K / 4; ++p)
-          for (int64_t e = 0; e < 4; ++e) {
-            const int32_t xv = xr[kb * W8_K + 4 * p + e];
-_Pragma("omp simd")
-            for (int64_t j = 0; j < TILE_COLS; ++j) acc[nb][j] += xv * b[(p * TILE_COLS + j) * 4 + e];
-          }
+// The portable integer sums, on 64-byte vectors of 16-bit lanes that any SIMD build handles well (GCC lowers
+// shifts, multiplies and adds of them; it lowers int8 lane conversions element by element). A lane holds two
+// bytes of a block row: column c's inputs 2h, 2h + 1 of a quad in lane 2c + h. The products of a lane's
+// two bytes by their inputs, added, fit int16 (at most 2 x 127 x 127); adding the lane pairs (2c, 2c + 1)
+// gives column c's quad in 32 bits.
+typedef int16_t I16x32 __attribute__((vector_size(64)));
+typedef uint16_t U16x32 __attribute__((vector_size(64)));
+
+template <typename To, typename From>
+inline To bits_as(const From& v) {
+  static_assert(sizeof(To) == sizeof(From));
+  To out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
+// A quad of x repeated for 16 columns: `even` holds its inputs 0 and 2 in alternate lanes, `odd` 1 and 3.
+inline void quad_lanes(const int8_t* x, I16x32& even, I16x32& odd) {
+  const int32_t e = static_cast<uint16_t>(int16_t{x[0]}) | (int32_t{x[2]} << 16);
+  const int32_t o = static_cast<uint16_t>(int16_t{x[1]}) | (int32_t{x[3]} << 16);
+  even = bits_as<I16x32>(I32x16{} + e);
+  odd = bits_as<I16x32>(I32x16{} + o);
+}
+
+// Column c's sum of lanes 2c and 2c + 1.
+inline I32x16 lane_pairs(I16x32 v) {
+  const I32x16 w = bits_as<I32x16>(v);
+  return ((w << 16) >> 16) + (w >> 16);
+}
+
+template <int R>
+void w8_portable_rows(const int8_t* xq, int64_t k_padded, const int8_t* w, int32_t* c) {
+  I32x16 acc[R] = {};
+  for (int64_t kb = 0; kb < k_padded / W8_K; ++kb)
+    for (int p = 0; p < W8_K / 4; ++p) {
+      I16x32 v;
+      std::memcpy(&v, w + kb * W8_BLOCK + p * 4 * TILE_COLS, 64);
+      const I16x32 even = (v << 8) >> 8, odd = v >> 8;          // the signed bytes, sign-extended
+      for (int r = 0; r < R; ++r) {
+        I16x32 xe, xo;
+        quad_lanes(xq + r * k_padded + kb * W8_K + 4 * p, xe, xo);
+        acc[r] += lane_pairs(even * xe + odd * xo);
       }
     }
-    for (int nb = 0; nb < NB; ++nb) std::memcpy(c + r * GROUP_COLS + nb * TILE_COLS, acc[nb], sizeof(acc[nb]));
-  }
+  for (int r = 0; r < R; ++r) std::memcpy(c + r * GROUP_COLS, &acc[r], sizeof(acc[r]));
+}
+
+template <int NB>
+void w8_portable_pass(const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* w, int32_t* c) {
+  const int64_t column_stride = k_padded / W8_K * W8_BLOCK;
+  for (int nb = 0; nb < NB; ++nb)
+    in_row_runs<4>(m, [&](auto rows, int64_t r) {
+      w8_portable_rows<decltype(rows)::value>(xq + r * k_padded, k_padded, w + nb * column_stride,
+                                              c + r * GROUP_COLS + nb * TILE_COLS);
+    });
 }
 
 // AVX512-VNNI: vpdpbusd sums four products of unsigned by signed bytes into each int32 lane, and a packed
@@ -230,7 +265,7 @@ struct W8A8Ops : NoSetup {
 #if defined(__AVX2__)
     if (avx2_int8()) return w8_avx2_pass<NB>(x, m, kp, wb, c);
 #endif
-    w8_plain_pass<NB>(x, m, kp, wb, c);
+    w8_portable_pass<NB>(x, m, kp, wb, c);
   }
 
   void store(int64_t m0, int64_t m, int64_t first, int64_t nb, const int32_t* c) const {
@@ -250,34 +285,28 @@ constexpr int64_t INT4_BYTES = TILE_COLS * INT4_GROUP / 2;    // a block's group
 // `stride` apart, at the group's first input) against one block's group `wg`: chunk j of 64 bytes holds
 // inputs 8j .. 8j + 3 of the 16 columns in its low nibbles (byte 4c + e: column c, input 8j + e) and inputs
 // 8j + 4 .. 8j + 7 in its high ones.
-typedef uint8_t U8x64 __attribute__((vector_size(64)));
-typedef int16_t I16x64 __attribute__((vector_size(128)));
-typedef int8_t I8x64 __attribute__((vector_size(64)));
-
-// Four bytes of x repeated for the 16 columns of a chunk, widened.
-inline I16x64 quad_for_columns(const int8_t* x) {
-  int8_t quad[4];
-  std::memcpy(quad, x, 4);
-  I8x64 v;
-  for (int i = 0; i < 64; ++i) v[i] = quad[i % 4];
-  return __builtin_convertvector(v, I16x64);
-}
-
-// Portable: the products in int16 lanes (each at most 15 x 127, eight of them a lane), the quads' lanes
-// added into int32 per column at the end.
+// Portable: the 16-bit lanes of the chunk's bytes (quantized.cpp's W8A8 pass has the lane layout), the low
+// nibbles the quad 8j .. 8j + 3, the high ones 8j + 4 .. 8j + 7; a lane's products (at most 2 x 15 x 127 a
+// quad) add up over a group's eight quads within int16, the lane pairs into int32 at the end.
 template <int R>
 void int4_sums_portable(const uint8_t* wg, const int8_t* x, int64_t stride, int32_t (*s)[TILE_COLS]) {
-  I16x64 acc[R] = {};
+  I16x32 acc[R] = {};
   for (int j = 0; j < 4; ++j) {
-    U8x64 v;
+    U16x32 v;
     std::memcpy(&v, wg + j * 64, 64);
-    const I16x64 lo = __builtin_convertvector(v & 15, I16x64), hi = __builtin_convertvector(v >> 4, I16x64);
-    for (int r = 0; r < R; ++r)
-      acc[r] += lo * quad_for_columns(x + r * stride + 8 * j) + hi * quad_for_columns(x + r * stride + 8 * j + 4);
+    const I16x32 lo_even = bits_as<I16x32>(v & 15), lo_odd = bits_as<I16x32>((v >> 8) & 15);
+    const I16x32 hi_even = bits_as<I16x32>((v >> 4) & 15), hi_odd = bits_as<I16x32>(v >> 12);
+    for (int r = 0; r < R; ++r) {
+      I16x32 ae, ao, be, bo;
+      quad_lanes(x + r * stride + 8 * j, ae, ao);
+      quad_lanes(x + r * stride + 8 * j + 4, be, bo);
+      acc[r] += lo_even * ae + lo_odd * ao + hi_even * be + hi_odd * bo;
+    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TILE_COLS; ++c)
-      s[r][c] = int32_t{acc[r][4 * c]} + acc[r][4 * c + 1] + acc[r][4 * c + 2] + acc[r][4 * c + 3];
+  for (int r = 0; r < R; ++r) {
+    const I32x16 sums = lane_pairs(acc[r]);
+    std::memcpy(s[r], &sums, sizeof(sums));
+  }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

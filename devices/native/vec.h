@@ -21,6 +21,9 @@
 #else
 #define TANDEM_X86 0
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 namespace tandem {
 
@@ -88,10 +91,35 @@ inline Vec16 load16(const c10::BFloat16* p) {      // bf16 is the top half of a 
   return v;
 }
 
-inline Vec16 load16(const int8_t* p) {             // exact: every int8 is a float
-  I8x16 b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, Vec16);
+// Sixteen int8s widened to floats (exact: every int8 is a float). Spelled out per ISA: GCC lowers the
+// vector conversion from int8 lanes to floats element by element.
+inline Vec16 load16(const int8_t* p) {
+  Vec16 out;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&out, &v, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  std::memcpy(&out, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+#elif defined(__SSE4_1__)
+  for (int i = 0; i < 4; ++i) {
+    int32_t four;
+    std::memcpy(&four, p + 4 * i, 4);
+    const __m128 v = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four)));
+    std::memcpy(reinterpret_cast<char*>(&out) + 16 * i, &v, 16);
+  }
+#elif defined(__aarch64__)
+  const int8x16_t b = vld1q_s8(p);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_high_s8(b);
+  const float32x4_t parts[4] = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_high_s16(lo)),
+                                vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_high_s16(hi))};
+  std::memcpy(&out, parts, sizeof(out));
+#else
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(p[i]);
+#endif
+  return out;
 }
 
 // Sixteen float16 values (int4's scales, float16 activations) as floats: F16C or NEON where the build has
