@@ -255,8 +255,15 @@ def quantize(model: nn.Module, method: str | None) -> None:
                 setattr(parent, name, QUANTIZED_LINEAR[method].of(child))
 
 
+# The LM head's format under each method, where it differs: 4 bits there cost the most quality for the fewest
+# bytes (one matrix of the model), so int4 keeps it at int8, as llama.cpp's q4_0 keeps its output tensor at
+# a 6-bit format (docs/performance.md: perplexity).
+LM_HEAD_METHOD = {"int4": "int8"}
+
+
 def quantize_lm_head(model: nn.Module, method: str | None) -> None:
     """`lm_head_quantized` for project_to_vocab (engine/models/base.py); the float weight stays for the
     embedding lookup and for draft heads that share it."""
     if method is not None:
+        method = LM_HEAD_METHOD.get(method, method)
         model.lm_head_quantized = QUANTIZED_LINEAR[method](model.lm_head_weight().detach(), None)
