@@ -41,6 +41,12 @@ def is_moe(model_path: str) -> bool:
     return (config.get("num_experts") or config.get("num_local_experts") or 0) > 1
 
 
+def auto_adaptive(device_name: str) -> bool:
+    """--speculative-adaptive auto: on on the CPU. On CUDA and NPU a speculating server captures
+    graphs of its verify steps, not of plain decode steps, so a plain step there runs eagerly."""
+    return device_name == "cpu"
+
+
 def flag(default, help: str, choices=None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
@@ -118,6 +124,13 @@ class ServerArgs:
         None, "With at least this many requests decoding, decode as without speculation (prompt chunks join "
               "the same batches; tandem_spec_off_steps_total counts the steps). 0: always draft. Default: "
               + ", ".join(f"{k} {v}" for k, v in DEFAULT_SPEC_OFF_BATCH_SIZE.items()) + ".")
+    speculative_adaptive: str = flag(
+        "auto", "Speculation that pays or steps aside: measure, per batch size, the device time and accepted tokens "
+                "of speculative steps and the time of plain ones as the server runs, and decode all-greedy batches "
+                "plainly where speculation is expected to lose (docs/speculation-gate.md). auto: on on the CPU "
+                "(where plain steps run as fast as without speculation), off elsewhere (plain steps there miss the "
+                "captured graphs). --speculative-disable-by-batch-size still applies first.",
+        ["auto", "on", "off"])
     dp_size: int = flag(1, "Data-parallel ranks: independent engine processes, each with its own KV cache; "
                            "the front sends each request to the least loaded one.")
     enable_dp_attention: bool = flag(False, "With --dp-size N on a MoE model: the N ranks keep their own requests "
@@ -206,6 +219,12 @@ class ServerArgs:
         if self.speculative_disable_by_batch_size is not None:
             return self.speculative_disable_by_batch_size
         return DEFAULT_SPEC_OFF_BATCH_SIZE[self.spec_algorithm]
+
+    def adaptive_speculation(self, device_name: str) -> bool:
+        """--speculative-adaptive resolved on this device (False without speculation)."""
+        if self.spec_algorithm == "none" or self.speculative_adaptive == "off":
+            return False
+        return self.speculative_adaptive == "on" or auto_adaptive(device_name)
 
     @property
     def draft_model_path(self) -> str | None:

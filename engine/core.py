@@ -202,11 +202,12 @@ class EngineCore:
         self.last_awaited = flight
         if flight.void or flight.batch.idle:
             return []
-        self.scheduler.policy.observe_launch(flight.batch, flight.launched.finished - flight.launched.started,
-                                             len(result.rounds) if result.rounds is not None else flight.batch.steps)
         start = time.perf_counter()
         try:
             output = result.output()
+            self.scheduler.policy.observe_launch(
+                flight.batch, flight.launched.finished - flight.launched.started,
+                len(result.rounds) if result.rounds is not None else flight.batch.steps, output)
             news = self.scheduler.process(flight.batch, output)
         except Exception as exc:       # a bug on the CPU side: the batch fails alone
             return self.step_failed(flight, exc, behind)

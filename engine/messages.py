@@ -113,6 +113,14 @@ class PrefillReserved(msgspec.Struct, tag=True):
     rid: str
 
 
+class GateEstimate(msgspec.Struct):
+    """What speculation's adaptive gate expects at one bucket of batch sizes (spec/gate.py)."""
+    batch_size: str                 # the bucket: "1", "2-3", ..., "32+"
+    spec_tokens_per_s: float        # decode tokens/s of a request while speculating (0: not measured yet)
+    plain_tokens_per_s: float       # ... while decoding plainly
+    speculating: bool               # the mode the bucket chose
+
+
 class RankStats(msgspec.Struct, tag=True):
     """Periodic gauges from a rank, for /metrics and /health."""
     rank: int
@@ -128,6 +136,9 @@ class RankStats(msgspec.Struct, tag=True):
     spec_phase_seconds: dict[str, float] = {}   # device seconds in draft / verify / extend, since start
     spec_steps: int = 0
     spec_off_steps: int = 0               # decode steps without speculation (under load)
+    spec_gate_steps: int = 0              # decode steps without speculation (the adaptive gate's choice)
+    spec_gate_explorations: int = 0       # launches the gate ran in the mode it did not choose, to measure it
+    spec_gate: list[GateEstimate] = []    # the gate's estimates per batch-size bucket (empty: gate off)
     failed_steps: int = 0                 # launched steps that raised; their requests got errors
     resident_memory_bytes: int = 0        # the rank process's RSS
     dp_idle_steps: int = 0                # DP attention: steps run with no rows to keep in step with the group

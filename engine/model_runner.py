@@ -6,6 +6,7 @@ runs on the rank's stream; the CPU only builds small host tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -22,6 +23,7 @@ from engine.faults import FaultInjector
 from engine.future_map import FutureMap
 from engine.graph_shape import GraphShape
 from engine.models.attention import KVCache, attention_groups, build_attention_batch, padded_width
+from engine.models.base import ModelOutput
 from engine.dp import DpGroup
 from engine.models.loader import load_model, resolve_dtype
 from engine.models.moe import shard_experts
@@ -153,7 +155,8 @@ class ModelRunner:
             return None
         return SpecInputs(decode=plan.decode, chain=plan.chain, draft_lag=long_tensor(plan.draft_lag),
                           draft_next=long_tensor(plan.draft_next), draft_skip=plan.draft_skip,
-                          no_decode=plan.no_decode, length_cap=long_tensor(plan.length_cap) if plan.decode else None)
+                          no_decode=plan.no_decode, length_cap=long_tensor(plan.length_cap) if plan.decode else None,
+                          plain_decodes=not plan.decode and all(seq.decode for seq in batch.seqs))
 
     def graph_shape(self, batch: ScheduledBatch | None) -> GraphShape | None:
         """The captured graph the batch's target forward could replay (None: it runs eagerly): a
@@ -231,28 +234,58 @@ class ModelRunner:
             return StepResult()
         logits = self.model.compute_logits(out.hidden[put(inp.sample_rows)])
         result, tokens = self.sample_rows(inp, logits)
-        if self.drafts_prompt(inp):       # the first tokens go out while the draft reads the prompt
-            return Deferred(result, lambda: self.worker.after_prefill(inp, input_ids, attn, out, tokens))
-        return result
+        if not self.drafts_prompt(inp):
+            return result
+        if inp.spec.plain_decodes:
+            self.worker.after_prefill(inp, input_ids, attn, out, tokens)
+            return result
+        # the first tokens go out while the draft reads the prompt
+        return Deferred(result, lambda: self.worker.after_prefill(inp, input_ids, attn, out, tokens))
 
     def decode_steps(self, inp: StepInputs) -> StepResult:
         """inp.steps plain decode steps of a batch of decodes (one token each) back to back: each
-        row feeds the token it sampled last, at the next position, with the next noise key."""
+        row feeds the token it sampled last, at the next position, with the next noise key. With a
+        speculative worker, it then reads the run (plain_run_read)."""
         put = self.put
         input_ids = self.futures.resolve(put(inp.input_ids))
         q_lens, kv_lens, rows = put(inp.q_lens), put(inp.kv_lens), put(inp.rows)
         sb = to_device(inp.sampling, self.device.torch_device)
-        tokens, logits = [], []
+        reads = self.worker is not None and self.drafts_prompt(inp)
+        aux = reads and self.worker.needs_aux
+        fed, outs, tokens, logits = [], [], [], []
         for step in range(inp.steps):
             attn = build_attention_batch(q_lens, kv_lens + step, rows, self.req_to_slot, 1, inp.max_kv + step, self.kv)
-            step_logits = self.model.compute_logits(self.model(input_ids, attn).hidden)
+            out = self.model(input_ids, attn, capture_aux=aux)
+            step_logits = self.model.compute_logits(out.hidden)
+            if reads:
+                fed.append(input_ids)
+                outs.append(out)
             input_ids = sample(step_logits, sb.advanced(step), self.target.generator)
             tokens.append(input_ids)
             logits.append(step_logits)
         self.futures.store(put(inp.future_ids), input_ids)
+        if reads:
+            self.plain_run_read(inp, torch.stack(fed, dim=1), outs, input_ids)
         emitted = torch.stack(tokens, dim=1)
         every = torch.stack(logits, dim=1) if sb.max_logprobs is not None else None
         return step_result(emitted, torch.full_like(input_ids, inp.steps - 1), every, sb)
+
+    def plain_run_read(self, inp: StepInputs, fed: torch.Tensor, outs: list[ModelOutput], last: torch.Tensor) -> None:
+        """The speculative worker reads a plain run as a last prompt chunk of its steps: row b fed
+        fed[b] [steps] at positions start_b .. start_b + steps - 1 (the target's outputs there in
+        `outs`, a step each) and its last sample `last[b]` lands at start_b + steps, its bonus. An
+        EAGLE head reads the run's tokens and features, as after a prompt; a draft that catches up
+        reads them later (draft_skip: standalone); the token history gets them."""
+        batch, steps = fed.shape
+        put = self.put
+        q_lens = torch.full((batch,), steps, dtype=torch.long)
+        run = dataclasses.replace(inp, q_lens=q_lens, kv_lens=inp.kv_lens + steps - 1, max_q=steps,
+                                  max_kv=inp.max_kv + steps - 1, steps=1)
+        attn = build_attention_batch(put(run.q_lens), put(run.kv_lens), put(inp.rows), self.req_to_slot, steps,
+                                     run.max_kv, self.kv)
+        out = ModelOutput(hidden=rows_first([o.hidden for o in outs]),
+                          aux_hidden=rows_first([o.aux_hidden for o in outs]))
+        self.worker.after_prefill(run, fed.reshape(-1), attn, out, last)
 
     def drafts_prompt(self, inp: StepInputs) -> bool:
         """Does the speculative worker read this prefill batch? Not when none of its requests decodes
@@ -380,6 +413,11 @@ class ModelRunner:
 def reraise(exc: Exception) -> None:
     """Launched work that fails with what preparing the step raised."""
     raise exc
+
+
+def rows_first(steps: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Per-step outputs [B, ...] of a run as a chunk's: row b's steps one after another [B * steps, ...]."""
+    return None if steps[0] is None else torch.stack(steps, dim=1).flatten(0, 1)
 
 
 def long_tensor(values: list[int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.batch import ScheduledBatch, SeqWork
+from engine.batch import ScheduledBatch, SeqWork, StepOutput
 from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.request import Request
@@ -85,6 +85,7 @@ class MultiStepDecoding(DecodePolicy):
     def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         seq.req.decode.extra_in_flight -= batch.steps - 1
 
-    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int) -> None:
+    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int,
+                       output: StepOutput | None = None) -> None:
         if batch.seqs and all(seq.decode for seq in batch.seqs):       # decodes alone: no prompt chunk in it
             self.budget.observe(len(batch.seqs), 0, rounds, seconds)

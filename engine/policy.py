@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.batch import ScheduledBatch, SeqWork
+from engine.batch import ScheduledBatch, SeqWork, StepOutput
 from engine.request import Request
 
 if TYPE_CHECKING:
@@ -26,6 +26,8 @@ class DecodePolicy:
 
     growth = 1                  # KV positions one decode step may add to a request
     off_steps = 0               # decode steps scheduled without speculation although it is on (under load)
+    gate_steps = 0              # decode steps scheduled without speculation because its gate chose so
+    gate = None                 # speculation's adaptive gate (spec/gate.py), where it is on
 
     def new_record(self) -> object:
         """The policy's record of a new request (Request.decode)."""
@@ -62,9 +64,10 @@ class DecodePolicy:
     def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         """A sampling sequence of a voided batch: its output will never be processed."""
 
-    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int) -> None:
-        """A launched batch ran `rounds` steps in `seconds` of device time (engine/launch_budget.py learns
-        from it)."""
+    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int,
+                       output: StepOutput | None = None) -> None:
+        """A launched batch ran `rounds` steps in `seconds` of device time and produced `output`
+        (engine/launch_budget.py and spec/gate.py learn from it)."""
 
     def on_retract(self, req: Request) -> None:
         """The request lost its KV and will recompute from its prompt and outputs."""

@@ -20,14 +20,15 @@ from engine.core import EngineCore, Finished
 from engine.kv_pool import KVPool
 from engine.dp import DpGroup
 from engine.disagg import PrefillExporter, RemoteKv, prefill_params
-from engine.messages import (AbortRequest, AddRequest, KvLayer, PrefillDone, RankStats, RequestFailed,
-                             RequestRejected, Shutdown, TokenDelta)
+from engine.messages import (AbortRequest, AddRequest, GateEstimate, KvLayer, PrefillDone, RankStats,
+                             RequestFailed, RequestRejected, Shutdown, TokenDelta)
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.launch_budget import LaunchBudget
 from engine.multi_step import MultiStepDecoding
 from engine.policy import DecodePolicy, PlainDecoding
 from engine.scheduler import Scheduler, SchedulerConfig
+from spec.gate import SpecGate
 from spec.policy import SpeculativeDecoding
 from engine.trace import Tracer
 from engine.wire import Channel
@@ -52,8 +53,13 @@ def decode_policy(args: ServerArgs, runner: ModelRunner) -> DecodePolicy:
              (f", as many as fit in {args.max_launch_ms:g} ms" if args.max_launch_ms else ""))
     if runner.worker is None:
         return MultiStepDecoding(steps, budget) if steps > 1 else PlainDecoding()
-    return SpeculativeDecoding(runner.spec_tokens, args.spec_off_batch_size, runner.worker.catches_up,
-                               rounds=steps, budget=budget)
+    gate = SpecGate() if args.adaptive_speculation(runner.device.name) else None
+    off = args.spec_off_batch_size
+    fixed = f"; every decode plain from {off} decoding requests (--speculative-disable-by-batch-size)" if off else ""
+    log.info("speculation gate: %s%s", gate.describe() if gate else
+             f"off (--speculative-adaptive {args.speculative_adaptive})", fixed)
+    return SpeculativeDecoding(runner.spec_tokens, off, runner.worker.catches_up, rounds=steps, budget=budget,
+                               gate=gate)
 
 
 def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None,
@@ -115,7 +121,7 @@ class Rank:
         self.generated += sum(len(run) for run in done.output.tokens)
         if not done.batch.is_spec_decode:
             return
-        if done.batch.chain:                  # plain steps under load are counted apart (spec_off_steps)
+        if done.batch.chain:                  # plain steps are counted apart (spec_off_steps, spec_gate_steps)
             for lengths in done.output.rounds or [[len(run)] for run in done.output.tokens]:
                 for length in lengths:
                     self.accept_hist[length - 1] += 1
@@ -233,9 +239,10 @@ class Rank:
     def spec_log_text(self) -> str:
         if not self.runner.worker:
             return ""
-        off = self.scheduler.policy.off_steps
+        policy = self.scheduler.policy
         text = f", accept length {self.accept_length():.2f}"
-        return text + (f", speculation off for {off} steps (load)" if off else "")
+        text += f", speculation off for {policy.off_steps} steps (load)" if policy.off_steps else ""
+        return text + (f", plain for {policy.gate_steps} steps (gate)" if policy.gate_steps else "")
 
     def accept_length(self) -> float:
         steps = sum(self.accept_hist)
@@ -248,8 +255,16 @@ class Rank:
                          spec_accept_len=self.accept_length(), spec_accept_hist=list(self.accept_hist),
                          spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist),
                          spec_off_steps=self.scheduler.policy.off_steps, failed_steps=self.core.failed_steps,
-                         resident_memory_bytes=resident_memory_bytes(), **self.dp_stats(),
+                         resident_memory_bytes=resident_memory_bytes(), **self.dp_stats(), **self.gate_stats(),
                          **self.runner.graph_stats())
+
+    def gate_stats(self) -> dict:
+        policy = self.scheduler.policy
+        if policy.gate is None:
+            return {}
+        return {"spec_gate_steps": policy.gate_steps, "spec_gate_explorations": policy.gate.explorations,
+                "spec_gate": [GateEstimate(e.label, e.spec_tokens_per_s, e.plain_tokens_per_s, e.speculating)
+                              for e in policy.gate.estimates()]}
 
     def dp_stats(self) -> dict:
         if self.dp is None:

@@ -31,6 +31,8 @@ class SpecInputs:
     draft_next: torch.Tensor      # prefill: the token after each chunk (-1: the sampled one)
     draft_skip: bool = False      # prefill: the draft model does not read this batch
     no_decode: bool = False       # prefill: no request of it decodes here; the draft need not read it
+    plain_decodes: bool = False   # prefill: plain decodes alone; the draft reads them before the launch
+                                  # resolves, so the launch's device time (the gate's plain cost) counts it
     trim: bool = True             # decode: rows may verify fewer drafts where the device reads for free
     length_cap: torch.Tensor | None = None    # decode: each row's length at its request's end (max tokens, context)
 

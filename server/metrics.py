@@ -75,9 +75,15 @@ class RankStatsCollector(Collector):
         yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without speculation because as many "
                                   "requests decoded as --speculative-disable-by-batch-size.",
                                   value=total("spec_off_steps"))
+        yield CounterMetricFamily("tandem_spec_gate_plain_steps", "Decode steps that ran without speculation because "
+                                  "the adaptive gate expected it to lose at their batch size (--speculative-adaptive).",
+                                  value=total("spec_gate_steps"))
+        yield CounterMetricFamily("tandem_spec_gate_explorations", "Decode launches the adaptive gate ran in the mode "
+                                  "it did not choose, to keep measuring it.", value=total("spec_gate_explorations"))
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield from spec_metrics(stats)
+        yield from gate_metrics(stats)
 
 
 class PdCollector(Collector):
@@ -126,6 +132,29 @@ def spec_metrics(stats):
     for phase in ("draft", "verify", "extend"):
         phases.add_metric([phase], sum(s.spec_phase_seconds.get(phase, 0.0) for s in stats))
     yield phases
+
+
+def gate_metrics(stats):
+    """The adaptive gate's estimates per batch-size bucket: a request's expected decode tokens/s
+    speculating and plain (mean over the ranks that measured it), and the share of ranks whose
+    bucket speculates. Nothing when the gate is off."""
+    by_bucket: dict[str, list] = {}
+    for s in stats:
+        for estimate in s.spec_gate:
+            by_bucket.setdefault(estimate.batch_size, []).append(estimate)
+    rates = GaugeMetricFamily("tandem_spec_gate_tokens_per_second", "Expected decode tokens/s of a request, by batch "
+                              "size and mode, from the device time and accepted tokens measured so far.",
+                              labels=["batch_size", "mode"])
+    speculating = GaugeMetricFamily("tandem_spec_gate_speculating", "1 where the adaptive gate speculates at this "
+                                    "batch size, 0 where it decodes plainly (share of ranks).", labels=["batch_size"])
+    for bucket, estimates in by_bucket.items():
+        for mode, field in (("speculative", "spec_tokens_per_s"), ("plain", "plain_tokens_per_s")):
+            measured = [getattr(e, field) for e in estimates if getattr(e, field) > 0]
+            rates.add_metric([bucket, mode], sum(measured) / len(measured) if measured else 0.0)
+        speculating.add_metric([bucket], sum(e.speculating for e in estimates) / len(estimates))
+    if by_bucket:
+        yield rates
+        yield speculating
 
 
 class Metrics:

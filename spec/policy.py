@@ -5,31 +5,36 @@ speculative worker (spec/base.py).
 A speculative decode step feeds each request k+1 positions whose start and accepted length live
 on the device. `kv_len` is then an upper bound: each launched step adds k+1, each processed step
 gives back what it did not accept, and the pages past the bound are returned. Prefill and
-speculative decode go in separate batches (plain decodes under load join prefill batches).
+speculative decode go in separate batches (plain decodes join prefill batches).
 
 An all-greedy step drafts no more tokens than its requests can still emit (max_new_tokens, the
 context), and a request that must finish with the steps in flight is not fed again.
 
 Under load (at least `off_batch_size` decoding requests) speculation is off: the decodes are
 scheduled as without speculation, one token each, in the same batch as prompt chunks
-(`feed_plain`). To the worker such a decode is a one-token last chunk: its prefill hook seeds
-kv_len and bonus from it. Its input is the request's future, which every step stores (a
-speculative step: its last emitted token). Only a request with no drafting step in flight
-(`drafting == 0`) can be fed so, since only then is its kv_len exact; were one in flight, the
-decodes would go as a speculative step that drafts nothing (chain 0), which also emits exactly
-one token. The rank never meets that case (load grows only through a prefill batch, and the step
-before it is processed before the next is scheduled); a rank further behind would.
+(`feed_plain`). Below that, an adaptive gate (spec/gate.py, --speculative-adaptive) may send an
+all-greedy batch's decodes the same way, where speculation is expected to lose at its size. To
+the worker such a decode is a one-token last chunk: its prefill hook seeds kv_len and bonus from
+it. Its input is the request's future, which every step stores (a speculative step: its last
+emitted token). Only a request with no drafting step in flight (`drafting == 0`) can be fed so,
+since only then is its kv_len exact; were one in flight, the decodes go as a speculative step that
+drafts nothing (chain 0), which also emits exactly one token. With overlap that is the gate's way
+from speculation to plain steps (the launch in flight drafts); load grows only through a prefill
+batch, and the step before it is processed before the next is scheduled.
 
 With --num-scheduler-steps N (`rounds`), a speculative batch whose requests have no prompt
 waiting runs up to N speculative steps back to back in one launch (each round drafts, verifies and
 accepts from the state the round before left on the device): it feeds each request N * (k+1)
 positions and gives back what the rounds did not accept. Round i samples with the noise key of
-the i-th step of the launch, so the outputs are those of N launches of one step each.
+the i-th step of the launch, so the outputs are those of N launches of one step each. Plain
+decodes with no prompt waiting run up to N steps too (`feed_plain_run`, as engine/multi_step.py
+feeds them; kv_len stays exact), and the worker reads the run as a last chunk of N tokens per
+request (ModelRunner.plain_run_read).
 
 A draft model that skipped plain steps catches up in the next drafting step; `draft_lag` (tokens
 its draft has not read) is exact on the CPU because each of those steps emitted exactly one
-token. Such a draft (`catches_up`) also skips prefill batches under load (`draft_skip`: as many
-requests running): a request whose prompt the draft did not read starts decoding with
+token. Such a draft (`catches_up`) also skips prefill batches under load and those with plain
+decodes in them (`draft_skip`): a request whose prompt the draft did not read starts decoding with
 draft_lag = P - 1 - draft_end (P prompt tokens, the draft read the first draft_end), and once
 one of its chunks was skipped the later ones are too, so what the draft lacks is always the tail
 its catch-up reads. A plain decode is such a skipped last chunk, so the same rule counts its lag.
@@ -41,10 +46,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.batch import ScheduledBatch, SeqWork, SpecPlan
+from engine.batch import ScheduledBatch, SeqWork, SpecPlan, StepOutput
 from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.request import Request, Status
+from spec.gate import SpecGate
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
@@ -57,23 +63,26 @@ class SpecRecord:
     """Speculative decoding's record of one request (Request.decode)."""
     steps_launched: int = 0     # speculative steps launched: seeded noise keys (the KV bound depends on timing)
     draft_lag: int = 0          # positions its draft model has to catch up on
-    draft_end: int = 0          # positions its draft model has read (prefill; plain decodes under load)
+    draft_end: int = 0          # positions its draft model has read (prefill; plain decodes)
     drafting: int = 0           # speculative steps with drafts in flight (kv_len is a bound while > 0)
-    extra_rounds: int = 0       # rounds in flight beyond one a launch (each emits at least one token)
-    plain: bool = False         # its last step was a plain decode under load (feed_plain)
+    extra_rounds: int = 0       # rounds (plain run steps) in flight beyond one a launch (each emits a token or more)
+    plain: bool = False         # its last step was a plain decode (feed_plain: under load, or the gate's)
     verify_steps: int = 0       # steps that produced output for it while decoding
 
 
 class SpeculativeDecoding(DecodePolicy):
     def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False, rounds: int = 1,
-                 budget: LaunchBudget | None = None):
+                 budget: LaunchBudget | None = None, gate: SpecGate | None = None):
         self.spec_tokens = spec_tokens          # k+1 positions per speculative step
-        self.rounds = rounds                    # most speculative steps a launch (--num-scheduler-steps)
+        self.rounds = rounds                    # most steps a launch (--num-scheduler-steps)
         self.budget = budget or LaunchBudget(0)     # and those that fit in --max-launch-ms
         self.growth = spec_tokens * rounds      # KV positions one decode launch may add
         self.off_batch_size = off_batch_size    # decode batches this large draft nothing (0: always draft)
         self.catches_up = draft_catches_up      # the draft can skip prefill chunks and read them later
+        self.gate = gate                        # --speculative-adaptive (None: off)
         self.off_steps = 0                      # decode steps without speculation (under load)
+        self.gate_steps = 0                     # decode steps without speculation (the gate's choice)
+        self.plain_now: str | None = None       # why this step's decodes go plain: "load", "gate", or None
 
     @property
     def k(self) -> int:
@@ -89,30 +98,78 @@ class SpeculativeDecoding(DecodePolicy):
         return req.prefilled                 # its last chunk is launched: the device holds its spec state
 
     def decodes_now(self, sched: "Scheduler", decodes: list[Request]) -> bool:
-        return not sched.prefill_ready() or self.under_load(decodes)
+        """Speculative decodes wait for a prefill batch; plain ones join it. Decides for the step
+        whether its decodes go plain (plan_decodes keeps that)."""
+        self.plain_now = self.plain_reason(self.wanting(sched, decodes))
+        return not sched.prefill_ready() or self.plain_now is not None
+
+    def wanting(self, sched: "Scheduler", decodes: list[Request]) -> list[Request]:
+        """The decodes that can still emit a token (the rest finish with a step in flight)."""
+        return [r for r in decodes if self.tokens_wanted(sched, r) > 0]
 
     def under_load(self, decodes: list[Request]) -> bool:
         """Speculation is off: as many decoding requests as --speculative-disable-by-batch-size."""
         return self.off_batch_size > 0 and len(decodes) >= self.off_batch_size
 
+    def plain_reason(self, decodes: list[Request]) -> str | None:
+        """Why these decodes go without speculation: "load" (the fixed rule, which overrides the
+        gate), "gate" (an all-greedy batch the gate expects speculation to lose on), or None."""
+        if self.under_load(decodes):
+            return "load"
+        if self.gated(decodes) and not self.gate.speculate(len(decodes)):
+            return "gate"
+        return None
+
+    def gated(self, decodes: list[Request]) -> bool:
+        """The gate decides for (and learns from) all-greedy batches only (spec/gate.py)."""
+        return self.gate is not None and bool(decodes) and all(r.params.greedy for r in decodes)
+
     # ---- decode steps ----------------------------------------------------------------
 
     def plan_decodes(self, sched: "Scheduler", batch: ScheduledBatch, decodes: list[Request]) -> bool:
-        wanted = {req.rid: self.tokens_wanted(sched, req) for req in decodes}
-        decodes = [r for r in decodes if wanted[r.rid] > 0]        # the rest finish with a step in flight
-        if self.under_load(decodes) and not any(r.decode.drafting for r in decodes):
-            self.off_steps += 1
-            for req in decodes:
-                self.feed_plain(sched, batch, req)                   # prompt chunks may join
-            return False
+        decodes = self.wanting(sched, decodes)
         if not decodes:
             return False
+        most_wanted = max(self.tokens_wanted(sched, req) for req in decodes)
+        if self.plain_now and not any(r.decode.drafting for r in decodes):
+            return self.plan_plain(sched, batch, decodes, most_wanted)
         batch.spec.decode = True
-        batch.spec.chain = self.chain_length(decodes, max(wanted.values()))
-        batch.steps = self.batch_rounds(sched, decodes, batch.chain, max(wanted.values()))
+        batch.spec.chain = self.chain_length(decodes, most_wanted)
+        batch.steps = self.batch_rounds(sched, decodes, batch.chain, most_wanted)
+        if batch.chain and self.gated(decodes):
+            self.gate.fed(len(decodes), speculative=True)
         for req in decodes:
             self.feed_spec(sched, batch, req)
         return True
+
+    def plan_plain(self, sched: "Scheduler", batch: ScheduledBatch, decodes: list[Request], most_wanted: int) -> bool:
+        """Decodes without speculation: one token each with prompt chunks, or, when no prompt is
+        waiting, a run of up to `rounds` steps (True: the batch is complete)."""
+        steps = 1 if self.rounds < 2 or sched.prefill_ready() else self.plain_run_steps(sched, decodes, most_wanted)
+        self.count_plain(steps)
+        if self.plain_now == "gate":
+            self.gate.fed(len(decodes), speculative=False)
+        if steps == 1:
+            for req in decodes:
+                self.feed_plain(sched, batch, req)                   # prompt chunks may join
+            return False
+        batch.steps = steps
+        for req in decodes:
+            self.feed_plain_run(sched, batch, req, steps)
+        self.end_prefill_plan(sched, batch)
+        return True
+
+    def plain_run_steps(self, sched: "Scheduler", decodes: list[Request], most_wanted: int) -> int:
+        """Steps of a plain run (as engine/multi_step.py plans them): what fits in the launch budget,
+        no more than any request can use, never a position past the context."""
+        room = min(sched.config.context_length - req.kv_len for req in decodes)
+        return max(1, min(self.rounds, self.budget.steps(len(decodes), 0), most_wanted, room))
+
+    def count_plain(self, steps: int) -> None:
+        if self.plain_now == "gate":
+            self.gate_steps += steps
+        else:
+            self.off_steps += steps
 
     def tokens_wanted(self, sched: "Scheduler", req: Request) -> int:
         """Most tokens the request can still emit, given that every step in flight emits at least one."""
@@ -143,12 +200,12 @@ class SpeculativeDecoding(DecodePolicy):
         return max(1, math.ceil(sched.tokens_left(req) / run - req.pending - record.extra_rounds))
 
     def chain_length(self, decodes: list[Request], most_wanted: int) -> int:
-        """Draft tokens per request: none under load and, for an all-greedy batch, never more than
+        """Draft tokens per request: none when its decodes go plain and, for an all-greedy batch, never more than
         its requests can still use (most_wanted: the largest tokens_wanted among them).
         The cap depends on timing (what was processed when), so it is kept from sampling batches:
         a seeded request must see the same chain lengths in every run."""
-        if self.under_load(decodes):
-            self.off_steps += 1
+        if self.plain_now:                  # a drafting step is in flight: this one drafts nothing
+            self.count_plain(1)
             return 0
         if not all(r.params.greedy for r in decodes):
             return self.k
@@ -176,13 +233,21 @@ class SpeculativeDecoding(DecodePolicy):
         req.pending += 1
 
     def feed_plain(self, sched: "Scheduler", batch: ScheduledBatch, req: Request) -> None:
-        """Under load, a decode as without speculation (kv_len is exact: no drafting step in flight).
-        Coming from speculative steps, the draft has read the positions before kv_len - 1 - draft_lag;
+        """A decode as without speculation (kv_len is exact: no drafting step in flight). Coming
+        from speculative steps, the draft has read the positions before kv_len - 1 - draft_lag;
         end_prefill_plan counts what it lacks from there."""
         record = req.decode
         if not record.plain:
             record.draft_end, record.plain = req.kv_len - 1 - record.draft_lag, True
         sched.feed(batch, req, 1, decode=True)
+
+    def feed_plain_run(self, sched: "Scheduler", batch: ScheduledBatch, req: Request, steps: int) -> None:
+        """`steps` plain decodes back to back: one token fed as feed_plain feeds it (its noise key is
+        the first step's), the steps after it take the next positions; kv_len stays exact."""
+        self.feed_plain(sched, batch, req)
+        sched.allocate(batch, req, req.kv_len + steps - 1)
+        req.kv_len += steps - 1
+        req.decode.extra_rounds += steps - 1
 
     # ---- prefill batches -------------------------------------------------------------
 
@@ -194,15 +259,15 @@ class SpeculativeDecoding(DecodePolicy):
     def end_prefill_plan(self, sched: "Scheduler", batch: ScheduledBatch) -> None:
         """Does the draft model read this prefill batch, and how far each request's draft lags."""
         off = self.off_batch_size
-        skip = self.catches_up and off > 0 and (
-            len(sched.running) >= off or any(seq.req.decode.draft_end < seq.start for seq in batch.seqs))
+        skip = self.catches_up and (self.plain_now is not None or 0 < off <= len(sched.running)
+                                    or any(seq.req.decode.draft_end < seq.start for seq in batch.seqs))
         batch.spec.draft_skip = skip
         # Requests that end with their first token (max_tokens 1, not exported) never get a decode
         # step (tokens_wanted is 0 once the prefill is in flight): the draft's pass over their prompts
         # would only hold up the batch behind.
         batch.spec.no_decode = all(seq.req.params.max_new_tokens <= 1 and not seq.req.exported for seq in batch.seqs)
         for seq in batch.seqs:
-            record, end = seq.req.decode, seq.start + seq.q_len
+            record, end = seq.req.decode, seq.req.kv_len       # a plain run's end, past its one fed token
             if not skip:
                 record.draft_end = end
             if seq.last_chunk:
@@ -212,22 +277,33 @@ class SpeculativeDecoding(DecodePolicy):
 
     def on_output(self, sched: "Scheduler", batch: ScheduledBatch, seq: SeqWork, run: list[int], rounds: int) -> None:
         req = seq.req
-        if seq.decode:                       # a plain decode under load counts as a one-token verify
+        if seq.decode:                       # a plain decode counts as a one-token verify
             req.decode.verify_steps += rounds
+        req.decode.extra_rounds -= batch.steps - 1          # a plain run's steps too
         if batch.is_spec_decode:
             req.decode.drafting -= batch.chain > 0
-            req.decode.extra_rounds -= batch.steps - 1
             if req.status is Status.RUNNING:
                 sched.give_back(req, seq.q_len - len(run))
 
     def on_void(self, batch: ScheduledBatch, seq: SeqWork) -> None:
+        seq.req.decode.extra_rounds -= batch.steps - 1
         if batch.is_spec_decode:
             seq.req.decode.drafting -= batch.chain > 0
-            seq.req.decode.extra_rounds -= batch.steps - 1
 
-    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int) -> None:
-        if batch.is_spec_decode:
-            self.budget.observe(len(batch.seqs), batch.chain, rounds, seconds)
+    def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int,
+                       output: StepOutput | None = None) -> None:
+        """Speculative launches and plain runs teach the launch budget their size's time; all-greedy
+        ones teach the gate too (a batch with prompt chunks in it measures neither)."""
+        speculative = batch.is_spec_decode and batch.chain > 0
+        plain = not batch.is_spec_decode and bool(batch.seqs) and all(seq.decode for seq in batch.seqs)
+        if not speculative and not plain:
+            return                   # a prefill batch, or a chain-0 step (a one-off on the way to plain steps)
+        rows = len(batch.seqs)
+        self.budget.observe(rows, batch.chain, rounds, seconds)
+        if self.gate is not None and all(params.greedy for params in batch.sample_params):
+            tokens = sum(len(run) for run in output.tokens) if speculative and output else 0
+            if tokens or not speculative:
+                self.gate.observe(rows, speculative, seconds, rounds, tokens)
 
     def on_retract(self, req: Request) -> None:
         req.decode.draft_lag = req.decode.draft_end = 0

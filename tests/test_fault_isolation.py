@@ -25,13 +25,16 @@ from tests.server_harness import DENSE
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+# Speculating configs draft every step: plain decodes (the adaptive gate's, or under load) join
+# prompt chunks in one batch, and a fault there fails them too, as it does without speculation.
+ALWAYS = ["--speculative-adaptive", "off"]
 CONFIGS = {
-    "eagle+overlap": [],
-    "eagle-no-overlap": ["--disable-overlap-schedule"],
+    "eagle+overlap": ALWAYS,
+    "eagle-no-overlap": ["--disable-overlap-schedule", *ALWAYS],
     "none+overlap": ["--speculative-algorithm", "none"],
     "none-no-overlap": ["--speculative-algorithm", "none", "--disable-overlap-schedule"],
-    "standalone": ["--speculative-algorithm", "standalone", "--speculative-disable-by-batch-size", "0"],
-    "ngram": ["--speculative-algorithm", "ngram"],
+    "standalone": ["--speculative-algorithm", "standalone", "--speculative-disable-by-batch-size", "0", *ALWAYS],
+    "ngram": ["--speculative-algorithm", "ngram", *ALWAYS],
 }
 
 
@@ -114,7 +117,7 @@ async def test_deferred_and_cpu_side_failures_are_isolated_too(where, prompts, h
     """deferred: the EAGLE head's read of the poisoned prompt fails after its first token went out;
     the next launch reports it, and the poisoned request (not that launch's) fails."""
     monkeypatch.setenv(ENV, f"rid=poison,where={where}")
-    async with engine(["--model-path", str(DENSE)]) as client:
+    async with engine(["--model-path", str(DENSE), *ALWAYS]) as client:
         poisoned, others = await poison_while_others_decode(client, prompts)
         assert isinstance(poisoned, EngineFailed) and where in str(poisoned)
         assert others == hf_greedy[1:]

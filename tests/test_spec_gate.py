@@ -1,0 +1,523 @@
+"""Speculation that pays or steps aside (spec/gate.py, --speculative-adaptive).
+
+- The gate's decisions on plain numbers (no timing): speculation first, then plain to measure it,
+  then whichever is expected to be faster per token; hysteresis; one launch in EXPLORE_EVERY in
+  the other mode, so that a rise in acceptance turns speculation back on; buckets apart.
+- The policy on plain data: greedy batches the gate sends plain decode in runs (or one token each
+  beside prompt chunks), through a chain-0 step while a drafting step is in flight; sampling
+  batches keep speculating; the fixed --speculative-disable-by-batch-size rule comes first.
+- A fake device that keeps each row's state as a worker does, with a gate that switches every
+  few launches: every plain decode starts at the row's exact length, every draft has read what
+  its lag says, outputs are exact and everything is freed (overlap on and off, runs of steps).
+- On the embedded model, in-process: greedy outputs are plain greedy decoding's with the gate
+  switching every launch or two (EAGLE, EAGLE-3, n-gram, standalone; overlap on and off; one
+  step and four a launch), EAGLE accepts as much after plain runs as without them, the real
+  gate runs both modes; /metrics shows the gate's counters and estimates.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.batch import StepOutput
+from engine.kv_pool import KVPool
+from engine.messages import GateEstimate, RankStats, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from spec.gate import EXPLORE_EVERY, LEAVE, RETURN, SpecGate, bucket_label, bucket_of
+from spec.policy import SpeculativeDecoding
+from tests.test_scheduler import drive, expected
+
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+
+
+# ---- the gate's decisions ----------------------------------------------------------------
+
+def spec_launch(gate: SpecGate, rows: int, ms_per_round: float, tokens_per_round: float, rounds: int = 4) -> None:
+    gate.observe(rows, True, ms_per_round * rounds / 1000, rounds, round(tokens_per_round * rounds * rows))
+
+
+def plain_launch(gate: SpecGate, rows: int, ms_per_step: float, steps: int = 4) -> None:
+    gate.observe(rows, False, ms_per_step * steps / 1000, steps)
+
+
+def feed(gate: SpecGate, rows: int, launches: int) -> list[bool]:
+    """Ask and feed `launches` launches; the modes they ran."""
+    modes = []
+    for _ in range(launches):
+        modes.append(gate.speculate(rows))
+        gate.fed(rows, modes[-1])
+    return modes
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_label(i) for i in range(6)] == ["1", "2-3", "4-7", "8-15", "16-31", "32+"]
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 500)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+def test_speculation_is_measured_first_then_plain_then_the_faster_wins():
+    gate = SpecGate()
+    assert gate.speculate(1)                         # nothing measured: speculation first
+    spec_launch(gate, 1, ms_per_round=2.5, tokens_per_round=2.0)        # 800 tok/s
+    assert not gate.speculate(1)                     # plain not measured yet: try it
+    plain_launch(gate, 1, ms_per_step=1.0)           # 1000 tok/s: speculation loses
+    assert not gate.speculate(1) and not gate.speculate(1)
+    assert gate.speculate(4)                         # another bucket measures for itself
+    [estimate] = gate.estimates()
+    assert (estimate.label, estimate.speculating) == ("1", False)
+    assert estimate.spec_tokens_per_s == pytest.approx(800) and estimate.plain_tokens_per_s == pytest.approx(1000)
+
+
+def test_speculation_stays_where_it_pays():
+    gate = SpecGate()
+    spec_launch(gate, 16, ms_per_round=2.0, tokens_per_round=3.0)       # 1500 tok/s per request
+    assert feed(gate, 16, 1) == [False]              # plain, to measure it
+    plain_launch(gate, 16, ms_per_step=1.0)
+    assert feed(gate, 16, EXPLORE_EVERY) == [True] * EXPLORE_EVERY
+    assert gate.speculate(16) is False               # then one plain launch, to keep measuring
+
+
+def test_hysteresis_keeps_the_mode_between_the_two_thresholds():
+    gate = SpecGate()
+    spec_launch(gate, 1, ms_per_round=1.0, tokens_per_round=1.0)
+    plain_launch(gate, 1, ms_per_step=LEAVE + 0.01)        # speculation just above LEAVE: it stays
+    assert gate.speculate(1)
+    for _ in range(5):                                              # the median moves: now below LEAVE
+        plain_launch(gate, 1, ms_per_step=LEAVE - 0.01)
+    assert not gate.speculate(1)
+    for _ in range(5):                                              # back to even: plain stays
+        plain_launch(gate, 1, ms_per_step=1.0)
+    assert not gate.speculate(1)
+    for _ in range(5):                                              # above RETURN: speculation again
+        plain_launch(gate, 1, ms_per_step=RETURN + 0.01)
+    assert gate.speculate(1)
+
+
+def test_one_slow_launch_does_not_flip_a_bucket():
+    gate = SpecGate()
+    spec_launch(gate, 2, ms_per_round=2.0, tokens_per_round=3.0)
+    for _ in range(4):
+        plain_launch(gate, 2, ms_per_step=1.0)
+    assert gate.speculate(2)
+    spec_launch(gate, 2, ms_per_round=50.0, tokens_per_round=3.0)       # a pause on a busy machine
+    assert gate.speculate(2)
+
+
+def test_plain_explores_speculation_and_a_rise_in_acceptance_turns_it_back_on():
+    gate = SpecGate()
+    spec_launch(gate, 1, ms_per_round=3.0, tokens_per_round=1.5)        # 500 tok/s
+    plain_launch(gate, 1, ms_per_step=1.0)                              # 1000 tok/s
+    assert feed(gate, 1, EXPLORE_EVERY) == [False] * EXPLORE_EVERY
+    assert gate.speculate(1) and gate.speculate(1)   # exploring: until a speculative launch is fed
+    gate.fed(1, True)
+    assert gate.explorations == 1 and feed(gate, 1, 1) == [False]
+    launches = 0                                     # the text drafts well now: 5 tokens a round
+    while not gate.speculate(1) and launches < 12:
+        spec_launch(gate, 1, ms_per_round=3.0, tokens_per_round=5.0)
+        launches += 1
+    assert gate.speculate(1) and 1 < launches < 12   # a moving average: not on one launch, but soon
+
+
+# ---- the policy on plain data ---------------------------------------------------------------
+
+class Scripted(SpecGate):
+    """A gate that answers `modes` in turn, one per launch fed (a plain launch it wanted but could
+    not have yet, behind a drafting step, it keeps asking for)."""
+
+    def __init__(self, modes: list[bool]):
+        super().__init__()
+        self.modes, self.launches = modes, 0
+
+    def speculate(self, rows: int) -> bool:
+        return self.modes[self.launches % len(self.modes)]
+
+    def fed(self, rows: int, speculative: bool) -> None:
+        self.launches += 1
+
+
+def make(policy: SpeculativeDecoding, rows: int = 8, context: int = 4096, num_slots: int = 4096) -> Scheduler:
+    config = SchedulerConfig(max_running_requests=rows, max_queued_requests=100, max_prefill_tokens=128,
+                             chunked_prefill_size=64, context_length=context, future_slots=2 * rows + 2)
+    return Scheduler(config, KVPool(num_slots, 1, rows), eos_ids=frozenset({49}), policy=policy)
+
+
+def prefilled(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams = GREEDY):
+    sched.add(rid, prompt, params)
+    batch = sched.schedule()
+    sched.process(batch, StepOutput(tokens=[[prompt[-1] + 1]]))
+    return sched.requests[rid]
+
+
+def test_the_gate_sends_greedy_decodes_plain_in_runs_through_a_chain0_step():
+    gate = Scripted([True, False, False])
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=gate)
+    sched = make(spec)
+    req = prefilled(sched, "g", [1, 2, 3])
+    drafting = sched.schedule()
+    assert drafting.is_spec_decode and drafting.chain == 3 and gate.launches == 1
+    chain0 = sched.schedule()                    # the gate wants plain; the drafting step is in flight
+    assert chain0.is_spec_decode and chain0.chain == 0 and chain0.steps == 1 and gate.launches == 1
+    sched.process(drafting, StepOutput(tokens=[[5, 6, 7, 8] * 4], rounds=[[4] * 4]))
+    run = sched.schedule()                       # no drafting step in flight: a plain run
+    assert not run.is_spec_decode and run.steps == 4 and [(s.q_len, s.decode) for s in run.seqs] == [(1, True)]
+    assert run.input_ids == [-chain0.seqs[0].future_id] and run.seqs[0].start == req.kv_len - 4
+    assert (spec.gate_steps, spec.off_steps, gate.launches) == (5, 0, 2)
+    sched.process(chain0, StepOutput(tokens=[[21]]))
+    sched.process(run, StepOutput(tokens=[[22, 23, 24, 25]]))
+    assert req.kv_len == len(req.all_ids) - 1 and req.decode.extra_rounds == 0
+    assert req.decode.verify_steps == 4 + 1 + 4              # rounds, a chain-0 step, a run's steps
+
+
+def test_plain_decodes_join_a_waiting_prompt_and_sampling_batches_keep_speculating():
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=Scripted([False]))
+    sched = make(spec)
+    prefilled(sched, "g", [1, 2, 3])
+    sched.add("p", [7, 8, 9, 10], GREEDY)
+    mixed = sched.schedule()                     # plain: one token, beside the prompt
+    assert not mixed.is_spec_decode and mixed.steps == 1
+    assert [(s.req.rid, s.q_len) for s in mixed.seqs] == [("g", 1), ("p", 4)]
+    sched.process(mixed, StepOutput(tokens=[[5], [11]]))
+    sched.add("s", [4, 5], SamplingParams(max_new_tokens=40, temperature=0.8))
+    prefill = sched.schedule()
+    assert [(s.req.rid, s.q_len) for s in prefill.seqs] == [("g", 1), ("p", 1), ("s", 2)]
+    sched.process(prefill, StepOutput(tokens=[[6], [12], [6]]))
+    with_sampling = sched.schedule()             # its samples would depend on which steps speculate
+    assert with_sampling.is_spec_decode and with_sampling.chain == 3 and spec.gate_steps == 2
+
+
+def test_the_fixed_rule_comes_first_and_counts_apart():
+    spec = SpeculativeDecoding(spec_tokens=4, off_batch_size=2, rounds=4, gate=Scripted([False]))
+    sched = make(spec)
+    prefilled(sched, "a", [1, 2])
+    sched.add("b", [3, 4], GREEDY)
+    sched.process(prefill := sched.schedule(), StepOutput(tokens=[[5]] * len(prefill.sampling)))
+    run = sched.schedule()
+    assert not run.is_spec_decode and run.steps == 4 and (spec.off_steps, spec.gate_steps) == (4, 1)
+
+
+class GateDevice:
+    """Runs prefill batches, plain decodes (one step or a run) and speculative steps the way a
+    worker does, row by row, on plain data: token = next_token(last), a speculative round accepts
+    a random number of its drafts. It keeps what the worker keeps (each row's length, its bonus
+    token, how far its draft has read) and checks what the scheduler planned against it."""
+
+    def __init__(self, catches_up: bool, seed: int = 0):
+        self.catches_up, self.rng = catches_up, random.Random(seed)
+        self.futures, self.table = {}, set()
+        self.kv, self.bonus, self.draft = {}, {}, {}
+        self.kinds: list[str] = []
+
+    def run(self, batch) -> StepOutput:
+        self.table.update(zip(batch.table_rows, batch.table_pos))
+        if batch.is_spec_decode:
+            self.kinds.append("draft" if batch.chain else "chain0")
+            return StepOutput.joined([self.spec_round(batch, i) for i in range(batch.steps)])
+        if any(seq.decode for seq in batch.seqs):
+            self.kinds.append("plain run" if batch.steps > 1 else "plain")
+        return self.plain(batch)
+
+    def plain(self, batch) -> StepOutput:
+        runs, offset = [], 0
+        for seq in batch.seqs:
+            fed = [self.futures[-t] if t < 0 else t for t in batch.input_ids[offset:offset + seq.q_len]]
+            offset += seq.q_len
+            end = seq.start + (batch.steps if seq.decode else seq.q_len)
+            assert all((seq.row, pos) in self.table for pos in range(seq.start, end)), "a position without a slot"
+            if seq.decode:
+                assert seq.start == self.kv[seq.row], "a plain decode from a length that is only a bound"
+                assert fed == [self.bonus[seq.row]], "a plain decode reads another token than the last emitted"
+            self.read_draft(seq.row, seq.start, end, batch.spec.draft_skip)
+            if seq.samples:
+                run = [next_token(fed[-1])]
+                while len(run) < batch.steps:
+                    run.append(next_token(run[-1]))
+                self.kv[seq.row], self.bonus[seq.row] = end, run[-1]
+                self.futures[seq.future_id] = run[-1]
+                runs.append(run)
+        return StepOutput(tokens=runs)
+
+    def read_draft(self, row: int, start: int, end: int, skip: bool) -> None:
+        if start == 0:
+            self.draft[row] = 0                 # a new request in this row
+        if not skip:
+            assert self.draft[row] >= start, "the draft reads past a hole it never caught up on"
+            self.draft[row] = end
+
+    def spec_round(self, batch, index: int) -> StepOutput:
+        runs = []
+        for i, seq in enumerate(batch.seqs):
+            row, length = seq.row, self.kv[seq.row]
+            lag = batch.spec.draft_lag[i] if index == 0 else 0
+            if batch.chain:                     # what the draft reads before drafting
+                assert self.draft[row] >= (length - 1 - lag if self.catches_up else length), "a stale draft"
+            assert all((row, pos) in self.table for pos in range(length, length + batch.chain + 1))
+            run = [next_token(self.bonus[row])]
+            for _ in range(self.rng.randrange(batch.chain + 1)):
+                run.append(next_token(run[-1]))
+            self.kv[row], self.bonus[row] = length + len(run), run[-1]
+            if batch.chain or not self.catches_up:      # an EAGLE head extends even by one token
+                self.draft[row] = length + len(run) - (1 if self.catches_up else 0)
+            self.futures[seq.future_id] = run[-1]
+            runs.append(run)
+        return StepOutput(tokens=runs)
+
+
+def next_token(token: int) -> int:
+    return (token + 1) % 50 if token != 48 else 0            # as tests/test_scheduler.py's FakeDevice: never 49
+
+
+def drive_gated(sched: Scheduler, device: GateDevice, overlap: bool, arrivals: dict[int, list]) -> dict:
+    """Drive the scheduler through the engine core over `device`; requests arrive at the steps
+    `arrivals` names. Returns every request by id."""
+    import tests.test_scheduler as plain
+    requests = {}
+
+    def arrive(step: int) -> None:
+        for rid, prompt, params in arrivals.pop(step, []):
+            assert sched.add(rid, prompt, params) is None
+            requests[rid] = sched.requests[rid]
+    original, plain.FakeDevice = plain.FakeDevice, lambda: device
+    try:
+        while arrivals:                        # (an engine that ran dry gets the next arrivals at once)
+            arrive(min(arrivals))
+            drive(sched, overlap, max_steps=5000, on_step=lambda s: arrive(s.step))
+    finally:
+        plain.FakeDevice = original
+    return requests
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("rounds", [1, 4])
+@pytest.mark.parametrize("catches_up", [False, True], ids=["eagle-like", "standalone-like"])
+def test_outputs_are_exact_with_the_gate_switching(overlap, rounds, catches_up):
+    """Requests arrive over time, some of them sampling, one running into the context; a gate
+    that switches every launch or two."""
+    spec = SpeculativeDecoding(spec_tokens=4, draft_catches_up=catches_up, rounds=rounds,
+                               gate=Scripted([True, False, False, True, True, False]))
+    sched = make(spec, rows=6, context=300)
+    rng = random.Random(rounds)
+    arrivals: dict[int, list] = {}
+    for i in range(10):
+        prompt = [rng.randrange(1, 40) for _ in range(rng.randrange(3, 90))]
+        params = SamplingParams(max_new_tokens=rng.randrange(2, 60), ignore_eos=True,
+                                temperature=0.8 if i % 4 == 3 else 0)
+        arrivals.setdefault(0 if i < 2 else rng.randrange(1, 30), []).append((f"r{i}", prompt, params))
+    long_prompt = [1 + i % 40 for i in range(281)]                # ends at the context, 19 tokens in
+    arrivals.setdefault(5, []).append(("long", long_prompt, SamplingParams(max_new_tokens=100, temperature=0,
+                                                                           ignore_eos=True)))
+    wanted = {rid: (prompt, params) for step in arrivals.values() for rid, prompt, params in step}
+    device = GateDevice(catches_up)
+    requests = drive_gated(sched, device, overlap, arrivals)
+    for rid, (prompt, params) in wanted.items():
+        want = expected(prompt, params.max_new_tokens)[:300 - len(prompt)]
+        assert requests[rid].output_ids == want, rid
+        if not overlap:                         # (with overlap a finished request's last launch is never processed)
+            assert requests[rid].decode.extra_rounds == 0 and requests[rid].decode.drafting == 0
+    assert sched.pool.used_slots == 0 and len(sched.pool.free_rows) == 6
+    kinds = set(device.kinds)
+    assert {"draft", "plain"} <= kinds and ("plain run" in kinds) == (rounds > 1)
+    assert "chain0" in kinds or not overlap          # plain right behind a drafting step in flight
+    assert spec.gate_steps > 0 and spec.off_steps == 0
+
+
+# ---- the embedded model, in-process ---------------------------------------------------------
+
+BASE = ["--max-total-tokens", "4096", "--max-running-requests", "4", "--max-launch-ms", "0"]
+ONE_STEP, FOUR_STEPS = ["--num-scheduler-steps", "1"], ["--num-scheduler-steps", "4"]
+LIMITS = (40, 33, 25, 37)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+    from tests.e2e_prompts import CODE_PROMPTS
+    from tests.server_harness import DENSE
+    tok = AutoTokenizer.from_pretrained(DENSE)
+    return [tok.encode(CODE_PROMPTS[i]) for i in range(len(LIMITS))]
+
+
+class Served:
+    """What an in-process engine emitted, and the kinds of decode launches it ran."""
+
+    def __init__(self):
+        self.outputs: list[list[int]] = []
+        self.kinds: list[str] = []
+        self.drafted_tokens = self.drafted_rounds = 0     # emitted by rounds that drafted, and their row-rounds
+        self.first_tokens = self.first_rows = 0           # the same of the first round of each launch
+
+    def observe(self, done) -> None:
+        batch = done.batch
+        if batch.is_spec_decode:
+            self.kinds.append("draft" if batch.chain else "chain0")
+            if batch.chain:
+                rounds = len(done.result.rounds) if done.result.rounds is not None else batch.steps
+                self.drafted_tokens += sum(len(run) for run in done.output.tokens)
+                self.drafted_rounds += rounds * len(batch.seqs)
+                firsts = [r[0] for r in done.output.rounds if r] if done.output.rounds else \
+                    [len(run) for run in done.output.tokens]
+                self.first_tokens += sum(firsts)
+                self.first_rows += len(firsts)
+        elif any(seq.decode for seq in batch.seqs):
+            self.kinds.append("plain run" if batch.steps > 1 else "plain")
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.drafted_tokens / self.drafted_rounds
+
+    @property
+    def first_round_tokens(self) -> float:
+        """Tokens a row's first round of a launch emitted, on average (with the gate switching every
+        launch: the round right after a plain run)."""
+        return self.first_tokens / self.first_rows
+
+
+async def serve(flags: list[str], prompts: list[list[int]], gate: SpecGate | None = None,
+                limits: tuple[int, ...] = LIMITS) -> Served:
+    """Greedy requests, half of them arriving while the first decode; `gate` replaces the policy's."""
+    from tests.server_harness import DENSE
+    from tests.test_engine_core import Engine
+    engine = Engine(["--model-path", str(DENSE), *BASE, *flags])
+    served = Served()
+    try:
+        if gate is not None:
+            engine.core.scheduler.policy.gate = gate
+        engine.core.observers.append(served.observe)
+        params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in limits]
+        half = len(prompts) // 2
+        reqs = [engine.add(f"r{i}", prompts[i], params[i]) for i in range(half)]
+        for _ in range(4):
+            await engine.core.step()
+        reqs += [engine.add(f"r{i}", prompts[i], params[i]) for i in range(half, len(prompts))]
+        await engine.finish()
+        assert engine.core.scheduler.pool.used_slots == 0
+        served.outputs = [r.output_ids for r in reqs]
+        return served
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    import asyncio
+    return asyncio.run(serve(["--speculative-algorithm", "none", *ONE_STEP], prompts)).outputs
+
+
+@pytest.mark.parametrize("steps", [ONE_STEP, FOUR_STEPS], ids=["one-step", "four-steps"])
+@pytest.mark.parametrize("overlap", [[], ["--disable-overlap-schedule"]], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "ngram", "standalone"])
+async def test_greedy_outputs_stay_plain_decodings_with_the_gate_switching(algorithm, overlap, steps, prompts,
+                                                                           reference):
+    from tests.engine_harness import ALGORITHMS
+    served = await serve([*ALGORITHMS[algorithm], *overlap, *steps], prompts, gate=Scripted([True, False]))
+    assert served.outputs == reference
+    kinds = set(served.kinds)
+    assert "draft" in kinds and ("plain run" if steps == FOUR_STEPS else "plain") in kinds
+    assert "chain0" in kinds or overlap
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram", "standalone"])
+async def test_drafts_after_plain_runs_are_as_good_as_without_them(algorithm, prompts):
+    """Drafts only change speed, so a draft that missed what plain runs emitted would still give the
+    right tokens: compare what the first round of a launch accepts when every launch follows a plain
+    run (the EAGLE head read the run, the token history got it, a standalone draft caught up) with
+    what rounds accept under speculation alone."""
+    from tests.engine_harness import ALGORITHMS
+    flags, limits = [*ALGORITHMS[algorithm], *FOUR_STEPS], (120,) * len(LIMITS)
+    alone = await serve(flags, prompts, limits=limits)
+    switching = await serve(flags, prompts, gate=Scripted([True, False]), limits=limits)
+    assert switching.outputs == alone.outputs and switching.kinds.count("plain run") >= 4
+    assert switching.first_round_tokens > 0.9 * alone.tokens_per_round
+
+
+async def test_the_gate_measures_both_modes_as_it_serves(prompts, reference, caplog):
+    """The real gate, timing real steps: greedy outputs stay plain decoding's whatever it picks, it
+    tried both modes (speculation first, then plain to measure it) and the start-up log says so."""
+    import logging
+    caplog.set_level(logging.INFO, logger="engine.rank")
+    gates = []
+
+    class Kept(SpecGate):                         # the policy's own gate, kept to look at afterwards
+        def __init__(self):
+            super().__init__()
+            gates.append(self)
+    served = await serve(["--speculative-algorithm", "eagle", "--speculative-adaptive", "on", *ONE_STEP], prompts,
+                         gate=Kept())
+    assert served.outputs == reference
+    assert "draft" in served.kinds and "plain" in served.kinds
+    measured = [e for e in gates[0].estimates() if e.spec_tokens_per_s and e.plain_tokens_per_s]
+    assert measured, gates[0].estimates()
+    assert any("speculation gate: adaptive" in r.getMessage() for r in caplog.records)
+
+
+def test_the_flag_turns_the_gate_on_and_off():
+    from engine.args import parse_args
+    spec = ["--speculative-algorithm", "eagle"]
+    assert parse_args(spec + ["--speculative-adaptive", "on"]).adaptive_speculation("cuda")
+    assert not parse_args(spec + ["--speculative-adaptive", "off"]).adaptive_speculation("cpu")
+    assert not parse_args(["--speculative-algorithm", "none", "--speculative-adaptive", "on"]).adaptive_speculation(
+        "cpu")
+    import engine.args as args_module             # auto: on on the CPU (the tests' conftest pins it off)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(args_module, "auto_adaptive", lambda device: device == "cpu")
+        assert parse_args(spec).adaptive_speculation("cpu") and not parse_args(spec).adaptive_speculation("cuda")
+
+
+# ---- /metrics ---------------------------------------------------------------------------------
+
+class StatsOnly:
+    """The EngineClient surface the metrics read."""
+
+    def __init__(self, stats: list[RankStats]):
+        self.stats, self.restarts, self.pd_stats = stats, 0, None
+
+    def rank_stats(self) -> list[RankStats]:
+        return self.stats
+
+    def ranks_up(self) -> int:
+        return len(self.stats)
+
+
+def metric_lines(engine) -> dict[str, float]:
+    from server.metrics import Metrics
+    text = Metrics(engine).render().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("tandem_spec_gate")}
+
+
+def test_metrics_show_the_gates_counters_and_estimates():
+    def rank(i, steps, estimates):
+        return RankStats(rank=i, running=1, waiting=0, kv_used=0, kv_total=100, steps=10, hidden_cpu_fraction=0.5,
+                         spec_gate_steps=steps, spec_gate_explorations=i + 1, spec_gate=estimates)
+    stats = [rank(0, 12, [GateEstimate("1", 800.0, 1000.0, False), GateEstimate("2-3", 900.0, 0.0, True)]),
+             rank(1, 30, [GateEstimate("1", 700.0, 1100.0, False)])]
+    m = metric_lines(StatsOnly(stats))
+    assert m["tandem_spec_gate_plain_steps_total"] == 42 and m["tandem_spec_gate_explorations_total"] == 3
+    assert m['tandem_spec_gate_tokens_per_second{batch_size="1",mode="speculative"}'] == 750
+    assert m['tandem_spec_gate_tokens_per_second{batch_size="1",mode="plain"}'] == 1050
+    assert m['tandem_spec_gate_tokens_per_second{batch_size="2-3",mode="plain"}'] == 0       # not measured yet
+    assert m['tandem_spec_gate_speculating{batch_size="1"}'] == 0
+    assert m['tandem_spec_gate_speculating{batch_size="2-3"}'] == 1
+    off = metric_lines(StatsOnly([RankStats(rank=0, running=1, waiting=0, kv_used=0, kv_total=100, steps=10,
+                                            hidden_cpu_fraction=0.5)]))         # gate off: no estimates
+    assert off == {"tandem_spec_gate_plain_steps_total": 0, "tandem_spec_gate_explorations_total": 0}
+
+
+@pytest.mark.slow
+async def test_a_rank_reports_the_gate_on_metrics(prompts):
+    """Through a rank process: the gate's counters and estimates reach /metrics."""
+    import asyncio
+    from tests.engine_harness import engine, run_batch
+    from tests.server_harness import DENSE
+    flags = ["--model-path", str(DENSE), "--speculative-algorithm", "eagle", "--speculative-adaptive", "on",
+             *ONE_STEP]
+    async with engine(flags) as client:
+        await run_batch(client, prompts, GREEDY)
+        for _ in range(50):
+            m = metric_lines(client)
+            if any(key.startswith("tandem_spec_gate_tokens_per_second") and value for key, value in m.items()):
+                break
+            await asyncio.sleep(0.2)
+    assert "tandem_spec_gate_plain_steps_total" in m and "tandem_spec_gate_explorations_total" in m
+    rates = {key: value for key, value in m.items() if key.startswith("tandem_spec_gate_tokens_per_second")}
+    assert any('mode="plain"' in key and value > 0 for key, value in rates.items()), m
+    assert any('mode="speculative"' in key and value > 0 for key, value in rates.items()), m
