@@ -160,7 +160,8 @@ def test_a_quantized_model_gives_the_same_logits_on_both_paths(dtype, quantizati
         logits.append(step_logits(model, runner, steps))
     # the paths' activations differ in the last bits (attention, norms), and where that crosses a rounding
     # boundary of quantize_rows an input moves by a whole int8 step: close, not equal, even in float32
-    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.95
+    # (int4 quantizes each group of 32 inputs: more boundaries a row to cross)
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= (0.9 if quantization == "int4" else 0.95)
     assert (logits[0] - logits[1]).abs().max() < 0.5
 
 

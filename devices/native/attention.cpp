@@ -90,7 +90,7 @@ void attend_rows(const float* const* query, int64_t r0, int64_t group, int64_t f
       fetch_row<T, dim>(keys + slots[i] * stride);
     Vec16 part[R][8];
     for (int i = 0; i < 8; ++i) {
-      for (int r = 0; r < R; ++r) part[r][i] = Vec16{};
+      for (int r = 0; r < R; ++r) part[r][i] = zero();
       if (i < block) {
         const T* k = keys + slots[j + i] * stride;
         for (int v = 0; v < NV; ++v) {
@@ -100,7 +100,8 @@ void attend_rows(const float* const* query, int64_t r0, int64_t group, int64_t f
       }
     }
     for (int r = 0; r < R; ++r) {
-      const Vec8 dots = sum_lanes8(part[r]);         // lane i: key j + i's dot alone
+      float dots[8];
+      sum_lanes8(part[r], dots);                     // dots[i]: key j + i's dot alone
       float* row = scores + r * keys_n;
       for (int64_t i = 0; i < std::min<int64_t>(8, visible[r] - j); ++i) row[j + i] = dots[i] * softmax_scale;
     }
@@ -114,13 +115,13 @@ void attend_rows(const float* const* query, int64_t r0, int64_t group, int64_t f
     for (int v = 0; v < NV; ++v) {
       const Vec16 value = load16(v_row + 16 * v);
       for (int r = 0; r < R; ++r)
-        if (j < visible[r]) acc[r][v] += (Vec16{} + scores[r * keys_n + j]) * value;
+        if (j < visible[r]) acc[r][v] += splat(scores[r * keys_n + j]) * value;
     }
   }
   for (int r = 0; r < R; ++r) {
     const float norm = 1.f / total[r];
     float out[dim];
-    for (int v = 0; v < NV; ++v) std::memcpy(out + 16 * v, &acc[r][v], sizeof(Vec16));
+    for (int v = 0; v < NV; ++v) store16(out + 16 * v, acc[r][v]);
     for (int64_t d = 0; d < dim; ++d) out_rows[r0 + r][d] = round_to<T>(out[d] * norm);
   }
 }

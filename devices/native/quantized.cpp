@@ -67,23 +67,12 @@ constexpr int64_t W8_BLOCK = TILE_COLS * W8_K;    // int8s of a block's 64 input
 // bytes of a block row: column c's inputs 2h, 2h + 1 of a quad in lane 2c + h. The products of a lane's
 // two bytes by their inputs, added, fit int16 (at most 2 x 127 x 127); adding the lane pairs (2c, 2c + 1)
 // gives column c's quad in 32 bits.
-typedef int16_t I16x32 __attribute__((vector_size(64)));
-typedef uint16_t U16x32 __attribute__((vector_size(64)));
-
-template <typename To, typename From>
-inline To bits_as(const From& v) {
-  static_assert(sizeof(To) == sizeof(From));
-  To out;
-  std::memcpy(&out, &v, sizeof(out));
-  return out;
-}
-
 // A quad of x repeated for 16 columns: `even` holds its inputs 0 and 2 in alternate lanes, `odd` 1 and 3.
 inline void quad_lanes(const int8_t* x, I16x32& even, I16x32& odd) {
   const int32_t e = static_cast<uint16_t>(int16_t{x[0]}) | (int32_t{x[2]} << 16);
   const int32_t o = static_cast<uint16_t>(int16_t{x[1]}) | (int32_t{x[3]} << 16);
-  even = bits_as<I16x32>(I32x16{} + e);
-  odd = bits_as<I16x32>(I32x16{} + o);
+  even = bits_as<I16x32>(splat<int32_t>(e));
+  odd = bits_as<I16x32>(splat<int32_t>(o));
 }
 
 // Column c's sum of lanes 2c and 2c + 1.
@@ -97,8 +86,7 @@ void w8_portable_rows(const int8_t* xq, int64_t k_padded, const int8_t* w, int32
   I32x16 acc[R] = {};
   for (int64_t kb = 0; kb < k_padded / W8_K; ++kb)
     for (int p = 0; p < W8_K / 4; ++p) {
-      I16x32 v;
-      std::memcpy(&v, w + kb * W8_BLOCK + p * 4 * TILE_COLS, 64);
+      const I16x32 v = load_wide<int16_t>(w + kb * W8_BLOCK + p * 4 * TILE_COLS);
       const I16x32 even = (v << 8) >> 8, odd = v >> 8;          // the signed bytes, sign-extended
       for (int r = 0; r < R; ++r) {
         I16x32 xe, xo;
@@ -106,7 +94,7 @@ void w8_portable_rows(const int8_t* xq, int64_t k_padded, const int8_t* w, int32
         acc[r] += lane_pairs(even * xe + odd * xo);
       }
     }
-  for (int r = 0; r < R; ++r) std::memcpy(c + r * GROUP_COLS, &acc[r], sizeof(acc[r]));
+  for (int r = 0; r < R; ++r) store_wide(c + r * GROUP_COLS, acc[r]);
 }
 
 template <int NB>
@@ -292,8 +280,7 @@ template <int R>
 void int4_sums_portable(const uint8_t* wg, const int8_t* x, int64_t stride, int32_t (*s)[TILE_COLS]) {
   I16x32 acc[R] = {};
   for (int j = 0; j < 4; ++j) {
-    U16x32 v;
-    std::memcpy(&v, wg + j * 64, 64);
+    const U16x32 v = load_wide<uint16_t>(wg + j * 64);
     const I16x32 lo_even = bits_as<I16x32>(v & 15), lo_odd = bits_as<I16x32>((v >> 8) & 15);
     const I16x32 hi_even = bits_as<I16x32>((v >> 4) & 15), hi_odd = bits_as<I16x32>(v >> 12);
     for (int r = 0; r < R; ++r) {
@@ -305,7 +292,7 @@ void int4_sums_portable(const uint8_t* wg, const int8_t* x, int64_t stride, int3
   }
   for (int r = 0; r < R; ++r) {
     const I32x16 sums = lane_pairs(acc[r]);
-    std::memcpy(s[r], &sums, sizeof(sums));
+    store_wide(s[r], sums);
   }
 }
 
@@ -381,10 +368,8 @@ void int4_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k
       int4_sums_portable<R>(wg, xg, k_padded, s);
     const Vec16 ws = load16(w_scale + g * TILE_COLS);
     for (int r = 0; r < R; ++r) {
-      I32x16 si;
-      std::memcpy(&si, s[r], sizeof(si));
-      si -= 8 * xsum[r * groups + g];
-      acc[r] += __builtin_convertvector(si, Vec16) * (ws * xs[r * groups + g]);
+      const I32x16 si = load_wide<int32_t>(s[r]) - 8 * xsum[r * groups + g];
+      acc[r] += convert<float>(si) * (ws * xs[r * groups + g]);
     }
   }
   for (int r = 0; r < R; ++r) store16(c + r * GROUP_COLS, acc[r]);
