@@ -11,12 +11,9 @@ namespace tandem {
 
 // ---- the portable float passes -------------------------------------------------------------------
 
-// How a pass keeps its sums in registers on this build: SUB_NB column blocks at once (16 sums each) for
-// runs of at most MAX_R rows. Where 16 floats are one register (AVX-512) a pass holds a whole group of
-// four blocks; where they are two (AVX2) or four (SSE, NEON), one block at a time, so that six rows' sums,
-// a weight vector and an input still fit.
-constexpr int SUB_NB = VEC16_REGISTERS >= 32 ? 4 : 1;
-constexpr int MAX_R = std::min(6, VEC16_REGISTERS * 3 / 4 / SUB_NB);
+// A pass reads one column block at a time, front to back, for a run of rows (MAX_RUN): the thread's weights
+// are then one sequential stream, what the hardware prefetcher follows best when decoding reads them from
+// memory, and a run of many rows still makes a weight vector's load one of several multiply-adds.
 
 // How a block's inputs are read as float vectors of its 16 columns: UNIT inputs at a time, the block's
 // elements for input k starting at k * 16 (so blocks lie k_dim * 16 elements apart in every format).
@@ -55,20 +52,15 @@ void float_rows(const float* x, int64_t k_dim, const typename B::Elem* w, float*
     for (int nb = 0; nb < NB; ++nb) store16(c + r * GROUP_COLS + nb * TILE_COLS, acc[r][nb]);
 }
 
-// The float sums of rows [0, m) of x against the NB blocks at w, c [m][GROUP_COLS]: SUB_NB blocks at a time,
-// the rows in runs (in_row_runs).
+// The float sums of rows [0, m) of x against the NB blocks at w, c [m][GROUP_COLS]: block by block, the rows
+// in runs (in_row_runs).
 template <typename B, int NB>
 void float_pass(const float* x, int64_t m, int64_t k_dim, const typename B::Elem* w, float* c) {
-  for (int s = 0; s < NB; s += SUB_NB) {
-    with_count(std::min(SUB_NB, NB - s), [&](auto sub) {
-      constexpr int S = decltype(sub)::value;
-      if constexpr (S <= SUB_NB)
-        in_row_runs<MAX_R>(m, [&](auto rows, int64_t r) {
-          float_rows<decltype(rows)::value, S, B>(x + r * k_dim, k_dim, w + s * k_dim * TILE_COLS,
-                                                  c + r * GROUP_COLS + s * TILE_COLS);
-        });
+  for (int nb = 0; nb < NB; ++nb)
+    in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) {
+      float_rows<decltype(rows)::value, 1, B>(x + r * k_dim, k_dim, w + nb * k_dim * TILE_COLS,
+                                              c + r * GROUP_COLS + nb * TILE_COLS);
     });
-  }
 }
 
 // A group's blocks widened to float32 once for all the rows of a prompt chunk (the same values the pass
@@ -118,9 +110,11 @@ void bf16_dot_rows(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w
 
 template <int NB>
 void bf16_dot_pass(const c10::BFloat16* x, int64_t m, int64_t k_dim, const c10::BFloat16* w, float* c) {
-  in_row_runs<6>(m, [&](auto rows, int64_t r) {
-    bf16_dot_rows<NB, decltype(rows)::value>(x + r * k_dim, k_dim, w, c + r * GROUP_COLS);
-  });
+  for (int nb = 0; nb < NB; ++nb)
+    in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) {
+      bf16_dot_rows<1, decltype(rows)::value>(x + r * k_dim, k_dim, w + nb * k_dim * TILE_COLS,
+                                              c + r * GROUP_COLS + nb * TILE_COLS);
+    });
 }
 #else
 constexpr bool HAS_AVX512_BF16 = false;

@@ -118,24 +118,37 @@ struct NoSetup {
   void done() {}
 };
 
-// run(R, r) over the rows [0, m) of a pass in runs of R rows, R at most MAX_R (the registers' limit for
-// the pass: its sums, a weight vector and the broadcast inputs), the last run shorter. A run of 5 or 6 rows
-// (a verify of 4-5 drafts and its bonus token) goes in one run where MAX_R allows and wide_row_runs is on,
-// so the weights are read once for it, not for four rows and again for the rest.
+// How many rows a pass runs against a weight block at once, by what the build's registers hold (each row's
+// 16 sums, one weight vector and a broadcast input): eight where 16 floats are one register (AVX-512), six
+// where they are two (AVX2) or four of 32 registers (NEON), two where four of 16 (SSE). A verify run of 4-5
+// drafts and its bonus token, or a tile of 16 prompt rows, is read in as few runs as that allows, so each
+// weight vector is loaded once for all of them.
+constexpr int MAX_RUN = VEC16_REGISTERS >= 32 ? 8 : VEC16_REGISTERS >= 8 ? 6 : 2;
+
+// f(std::integral_constant<int, n>) for n = 1..8.
+template <typename F>
+void with_rows(int64_t n, const F& f) {
+  switch (n) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
+}
+
+// run(R, r) over the rows [0, m) of a pass in runs of at most MAX_R rows (at most 4 with the tuning's
+// wide_row_runs off, for benchmarks), R a template constant; a row's sums are the same in any run.
 template <int MAX_R, typename Run>
 void in_row_runs(int64_t m, const Run& run) {
-  if constexpr (MAX_R >= 6) {
-    if (tuning().wide_row_runs && m == 5) return run(std::integral_constant<int, 5>{}, 0);
-    if (tuning().wide_row_runs && m == 6) return run(std::integral_constant<int, 6>{}, 0);
-  }
-  constexpr int R = MAX_R < 4 ? MAX_R : 4;
-  for (int64_t r = 0; r < m; r += R) {
-    const int64_t n = std::min<int64_t>(R, m - r);
-    if constexpr (R >= 4) if (n == 4) { run(std::integral_constant<int, 4>{}, r); continue; }
-    if constexpr (R >= 3) if (n == 3) { run(std::integral_constant<int, 3>{}, r); continue; }
-    if constexpr (R >= 2) if (n == 2) { run(std::integral_constant<int, 2>{}, r); continue; }
-    run(std::integral_constant<int, 1>{}, r);
-  }
+  const int64_t most = tuning().wide_row_runs ? MAX_R : std::min(MAX_R, 4);
+  for (int64_t r = 0; r < m; r += most)
+    with_rows(std::min(most, m - r), [&](auto rows) {
+      if constexpr (decltype(rows)::value <= MAX_R) run(rows, r);
+    });
 }
 
 }  // namespace tandem

@@ -148,12 +148,14 @@ void w8_vnni_rows(const int8_t* xq, int64_t k_padded, const int8_t* w, int64_t c
 template <int NB>
 void w8_vnni_pass(const int8_t* xq, int64_t m, int64_t k_padded, const int8_t* w, int32_t* c) {
   const int64_t column_stride = k_padded / W8_K * W8_BLOCK;
-  __m512i offset[NB];
-  for (int64_t r = 0; r < m; r += 4) {
-    with_count(std::min<int64_t>(4, m - r), [&](auto rows) {
+  for (int nb = 0; nb < NB; ++nb) {                 // block by block: one sequential stream of weights
+    __m512i offset[1];
+    in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) {
       constexpr int R = decltype(rows)::value;
-      if (r == 0) w8_vnni_rows<NB, R, true>(xq, k_padded, w, column_stride, offset, c);
-      else w8_vnni_rows<NB, R, false>(xq + r * k_padded, k_padded, w, column_stride, offset, c + r * GROUP_COLS);
+      const int8_t* wb = w + nb * column_stride;
+      int32_t* cb = c + r * GROUP_COLS + nb * TILE_COLS;
+      if (r == 0) w8_vnni_rows<1, R, true>(xq, k_padded, wb, column_stride, offset, cb);
+      else w8_vnni_rows<1, R, false>(xq + r * k_padded, k_padded, wb, column_stride, offset, cb);
     });
   }
 }
@@ -375,6 +377,10 @@ void int4_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k
   for (int r = 0; r < R; ++r) store16(c + r * GROUP_COLS, acc[r]);
 }
 
+// Rows an int4 run takes: its int16 sums and float sums of each row stay in registers beside the chunk's
+// nibbles, which AVX2's sixteen registers hold for four rows.
+constexpr int INT4_RUN = VEC16_REGISTERS >= 32 ? 8 : 4;
+
 template <typename T>
 struct Int4Ops : NoSetup {
   const RowBuffers* rows;
@@ -388,7 +394,7 @@ struct Int4Ops : NoSetup {
     const c10::Half* sp = w->scale.data_ptr<c10::Half>();
     for (int nb = 0; nb < Blocks::value; ++nb) {
       const int64_t block = first + nb;
-      in_row_runs<4>(m, [&](auto run, int64_t r) {
+      in_row_runs<INT4_RUN>(m, [&](auto run, int64_t r) {
         const int64_t row = m0 + r;
         int4_rows<decltype(run)::value>(rows->q.data() + row * kp, rows->scales.data() + row * groups,
                                         rows->sums.data() + row * groups, kp, wp + block * groups * INT4_BYTES,
