@@ -38,6 +38,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
+from devices.cpu_native import cpu_kernels  # noqa: E402
+from engine.models.layers import use_cpu_kernels  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
 from engine.models.testing import PagedRunner  # noqa: E402
 
@@ -78,10 +80,12 @@ def apply_roundtrip(model: nn.Module, roundtrip) -> None:
 
 
 def load_variant(path: str, variant: str, dtype: torch.dtype):
-    tandem = variant in ("int8", "w8a8_int8", "int4")
-    model, _ = load_model(path, dtype, "cpu", quantization=variant if tandem else None)
-    if variant in ("q8_0", "q4_0"):
-        apply_roundtrip(model, q8_0_roundtrip if variant == "q8_0" else q4_0_roundtrip)
+    if variant not in ("q8_0", "q4_0"):
+        return load_model(path, dtype, "cpu", quantization=None if variant == "none" else variant)[0]
+    # the matrices as loaded (the kernels keep only packed ones), through the format, then packed
+    model = load_model(path, dtype, "cpu", cpu_kernels="torch")[0]
+    apply_roundtrip(model, q8_0_roundtrip if variant == "q8_0" else q4_0_roundtrip)
+    use_cpu_kernels(model, cpu_kernels("auto"))
     return model
 
 

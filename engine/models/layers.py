@@ -56,6 +56,8 @@ def use_cpu_kernels(model: nn.Module, kernels) -> None:
     for module in model.modules():
         if type(module) is nn.Linear and kernels is not None:
             module.__class__ = NativeLinear          # the same module and parameters, the native product
+        if isinstance(module, NativeLinear):
+            module.restore_loaded()                  # packed for the kernels it had: back to the matrix
         if isinstance(module, (RMSNorm, Attention, GatedMLP, QuantizedLinear, StackedExperts, VocabProjection,
                                NativeLinear)):
             module.kernels = kernels
@@ -70,9 +72,10 @@ def pack_native_weights(model: nn.Module) -> None:
     from engine.models.base import VocabProjection
     from engine.models.moe import StackedExperts
 
+    lm_heads = {id(getattr(m, "lm_head", None)) for m in model.modules() if isinstance(m, VocabProjection)}
     for module in model.modules():
-        if isinstance(module, NativeLinear):
-            _ = module.native_weight                         # cached_property: packs on first read
+        if isinstance(module, NativeLinear) and id(module) not in lm_heads:
+            module.keep_packed_only()
         elif isinstance(module, StackedExperts):
             _ = module.native_weights
         elif (isinstance(module, VocabProjection) and module._modules.get("lm_head_quantized") is None
@@ -91,9 +94,22 @@ class NativeLinear(nn.Linear):
     @functools.cached_property
     def native_weight(self) -> torch.Tensor:
         """The weight as the kernels' `linear` reads it: packed once into blocks of 16 output columns
-        (devices/native/products.h), else the weight itself (a shape the kernels do not pack). `weight`
-        stays as loaded, for everything else that reads it."""
+        (devices/native/products.h), else the weight itself (a shape the kernels do not pack)."""
         return self.kernels.pack_float(self.weight) if self.kernels is not None else self.weight
+
+    def keep_packed_only(self) -> None:
+        """Hold the weight in its packed form only: the matrix as loaded beside it would double the memory
+        of the model's layers. `weight` is an empty placeholder until the kernels are taken away
+        (restore_loaded). Not for an LM head, whose matrix the embedding and draft heads read."""
+        packed = self.native_weight
+        if packed is not self.weight and self.weight.numel():
+            self.weight = nn.Parameter(torch.empty(0, dtype=packed.dtype), requires_grad=False)
+
+    def restore_loaded(self) -> None:
+        """The matrix back from its packed form, where keep_packed_only let it go."""
+        packed = self.__dict__.get("native_weight")
+        if packed is not None and self.weight.numel() == 0 and self.kernels is not None:
+            self.weight = nn.Parameter(self.kernels.unpack_float(packed), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
