@@ -136,9 +136,12 @@ def test_packing_round_trips_and_shapes_that_do_not_pack_stay_as_loaded():
         weight = torch.randn(48, 64, generator=gen).to(dtype)
         packed = kernels.pack_float(weight)
         assert packed.shape == shape and torch.equal(kernels.unpack_float(packed), weight)
-    for weight in (torch.randn(40, 64, generator=gen),                  # 40 columns: not whole blocks of 16
-                   torch.randn(48, 48, generator=gen).bfloat16()):      # 48 bf16 inputs: not pairs of 32
-        assert kernels.pack_float(weight).data_ptr() == weight.data_ptr()
+    weight = torch.randn(48, 48, generator=gen).bfloat16()              # 48 bf16 inputs: not pairs of 32
+    assert kernels.pack_float(weight).data_ptr() == weight.data_ptr()
+    odd = torch.randn(40, 64, generator=gen)                             # 40 outputs: padded to 3 blocks
+    packed = kernels.pack_float(odd)
+    assert packed.shape == (3, 64, 16) and torch.equal(kernels.unpack_float(packed)[:40], odd)
+    assert not kernels.unpack_float(packed)[40:].any()
     before = kernels.set_tuning(native_products=False)                 # loaded with the products off: nothing packs
     try:
         assert kernels.pack_float(torch.randn(48, 64, generator=gen)).dim() == 2
@@ -152,6 +155,29 @@ def test_packing_round_trips_and_shapes_that_do_not_pack_stay_as_loaded():
     assert torch.equal(unpacked, q) and torch.equal(unpacked_scale, scale)
     q8 = quant.quantize_weight(torch.randn(40, 70, generator=gen))[0]
     assert torch.equal(quant.int8_unpack(quant.int8_pack(q8), 40), q8)
+
+
+@pytest.mark.parametrize("fmt", [None, "int4"])
+def test_a_linear_of_outputs_not_in_whole_blocks_runs_natively_and_cuts_them(fmt):
+    """An MoE router (8 experts) or an odd vocabulary: the weight packed with zero columns up to whole
+    blocks, the module's outputs cut back to its own, each row the same alone as in a batch (torch's
+    product would not keep that)."""
+    from engine.models.layers import NativeLinear, use_cpu_kernels
+    from engine.models.quant import QUANTIZED_LINEAR
+    gen = torch.Generator().manual_seed(2)
+    linear = torch.nn.Linear(64, 8, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(8, 64, generator=gen))
+    holder = torch.nn.Sequential(linear if fmt is None else QUANTIZED_LINEAR[fmt].of(linear))
+    use_cpu_kernels(holder, kernels)
+    module = holder[0]
+    assert fmt is not None or (type(module) is NativeLinear and kernels.is_packed(module.native_weight))
+    x = torch.randn(11, 64, generator=gen)
+    y = module(x)
+    assert y.shape == (11, 8)
+    want = F.linear(x, linear.weight, linear.bias) if fmt is None else module.reference(x)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(torch.cat([module(x[i:i + 1]) for i in range(11)]), y)
 
 
 def test_int4_quantizes_as_llama_cpp_s_q4_0():

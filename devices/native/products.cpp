@@ -2,6 +2,7 @@
 // formats with quantized rows (W8A8, int4) are in quantized.cpp. See products.h for the layouts.
 #include "products.h"
 
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/linear.h>
 
 #include "amx.h"
@@ -136,14 +137,17 @@ bool is_packed(const at::Tensor& w, const c10::optional<at::Tensor>& scale) {
   return is_int4_packed(w, *scale);
 }
 
-at::Tensor pack_float(const at::Tensor& w) {
+at::Tensor pack_float(const at::Tensor& w_in) {
+  // a matrix's outputs padded with zero columns up to whole blocks (its caller keeps the first N: NativeLinear)
+  const bool matrix = w_in.dim() == 2 && w_in.size(0) % TILE_COLS != 0 && w_in.size(0) > 0;
+  const at::Tensor w = matrix ? at::constant_pad_nd(w_in, {0, 0, 0, -w_in.size(0) % TILE_COLS + TILE_COLS}) : w_in;
   const int64_t n = w.dim() >= 2 ? w.size(-2) : 0, k = w.dim() >= 2 ? w.size(-1) : 0;
   const bool shaped = tuning().native_products && (w.dim() == 2 || w.dim() == 3) && n % TILE_COLS == 0 && n > 0 && k > 0;
   if (shaped && w.scalar_type() == at::kFloat) {     // packed[nb][k][c] = W[16 nb + c][k]
     if (w.dim() == 3) return w.contiguous().view({w.size(0), n / 16, 16, k}).permute({0, 1, 3, 2}).contiguous();
     return w.contiguous().view({n / 16, 16, k}).permute({0, 2, 1}).contiguous();
   }
-  if (!shaped || w.scalar_type() != at::kBFloat16 || k % 32 != 0) return w;
+  if (!shaped || w.scalar_type() != at::kBFloat16 || k % 32 != 0) return w_in;
   // packed[nb][kb][p][c][e] = W[16 nb + c][32 kb + 2 p + e]
   if (w.dim() == 3)
     return w.contiguous().view({w.size(0), n / 16, 16, k / 32, 16, 2}).permute({0, 1, 3, 4, 2, 5}).contiguous();

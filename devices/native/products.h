@@ -73,8 +73,9 @@ void product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowB
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& scale);
 
-// W [N, K] (or a stack [E, N, K]) packed for the float products where they run (float32 and bf16, N a
-// multiple of 16, bf16's K of 32), else W itself; the [N, K] matrix of a packed float weight.
+// W [N, K] (or a stack [E, N, K]) packed for the float products where they run (float32 and bf16; bf16's K
+// a multiple of 32; a matrix's N padded with zero columns up to a multiple of 16, a stack's already one),
+// else W itself; the [N, K] matrix of a packed float weight (N padded).
 at::Tensor pack_float(const at::Tensor& w);
 at::Tensor unpack_float(const at::Tensor& packed);
 bool is_float_packed(const at::Tensor& w);

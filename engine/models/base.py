@@ -36,7 +36,9 @@ class VocabProjection:
         if quantized is not None:
             return quantized(hidden)
         if self.kernels is not None:
-            return self.kernels.linear(hidden, self.native_lm_head(), None)
+            logits = self.kernels.linear(hidden, self.native_lm_head(), None)
+            vocab = self.lm_head_weight().shape[0]      # packed outputs come in whole blocks of 16
+            return logits if logits.shape[-1] == vocab else logits[..., :vocab]
         return F.linear(hidden, self.lm_head_weight())
 
     def native_lm_head(self) -> torch.Tensor:

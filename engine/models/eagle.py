@@ -16,7 +16,7 @@ from torch import nn
 from engine.models.attention import AttentionBatch
 from engine.models.base import CausalLM, DraftHead
 from engine.models.layers import (GatedMLP, RotaryEmbedding, check_dense_attention, head_dim_of, linear_parts,
-                                  rope_parameters)
+                                  rope_parameters, whole_blocks)
 from engine.models.llama import DecoderLayer, make_attention
 
 
@@ -113,8 +113,9 @@ class LlamaForCausalLMEagle(DraftHead):
         layer = self.layers[0]
         weights = layer.native_weights if self.kernels is not None else None
         if (weights is None or self.hot_ids is not None or self.embed_tokens is None
-                or cache_dtype != self.embed_tokens.weight.dtype):
-            return None
+                or cache_dtype != self.embed_tokens.weight.dtype or self.lm_head_weight().shape[0] % 16
+                or not whole_blocks(self.fc)):
+            return None           # (a chain's choice reads every packed output: whole blocks of 16 only)
         quantized = self._modules.get("lm_head_quantized")
         head_w, head_s = ((quantized.packed, quantized.scale) if quantized is not None
                           else (self.native_lm_head(), None))

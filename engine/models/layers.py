@@ -43,7 +43,8 @@ def check_dense_attention(config) -> None:
 
 # What a module caches from its kernels (packed weights, a layer's or the stack's native call): dropped
 # whenever the kernels change, so that no forward reads what was built for others.
-NATIVE_CACHES = ("native_weight", "native_weights", "native_lm_head_of", "native_stack", "native_parts_of")
+NATIVE_CACHES = ("native_weight", "native_bias", "native_weights", "native_lm_head_of", "native_stack",
+                 "native_parts_of")
 
 
 def use_cpu_kernels(model: nn.Module, kernels) -> None:
@@ -94,15 +95,24 @@ class NativeLinear(nn.Linear):
     @functools.cached_property
     def native_weight(self) -> torch.Tensor:
         """The weight as the kernels' `linear` reads it: packed once into blocks of 16 output columns
-        (devices/native/products.h), else the weight itself (a shape the kernels do not pack)."""
+        (devices/native/products.h; outputs padded with zero columns up to whole blocks), else the weight
+        itself (a shape the kernels do not pack)."""
         return self.kernels.pack_float(self.weight) if self.kernels is not None else self.weight
+
+    @functools.cached_property
+    def native_bias(self) -> torch.Tensor | None:
+        """The bias padded as native_weight's outputs are."""
+        padded = padded_outputs(self.native_weight)
+        if self.bias is None or padded == self.out_features:
+            return self.bias
+        return F.pad(self.bias, (0, padded - self.out_features))
 
     def keep_packed_only(self) -> None:
         """Hold the weight in its packed form only: the matrix as loaded beside it would double the memory
         of the model's layers. `weight` is an empty placeholder until the kernels are taken away
         (restore_loaded). Not for an LM head, whose matrix the embedding and draft heads read."""
         packed = self.native_weight
-        if packed is not self.weight and self.weight.numel():
+        if packed is not self.weight and self.weight.numel() and padded_outputs(packed) == self.out_features:
             self.weight = nn.Parameter(torch.empty(0, dtype=packed.dtype), requires_grad=False)
 
     def restore_loaded(self) -> None:
@@ -113,8 +123,18 @@ class NativeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.linear(x, self.native_weight, self.bias)
+            y = self.kernels.linear(x, self.native_weight, self.native_bias)
+            return y if y.shape[-1] == self.out_features else y[..., :self.out_features]
         return F.linear(x, self.weight, self.bias)
+
+
+def padded_outputs(weight: torch.Tensor) -> int:
+    """The outputs a weight gives as the kernels read it: a packed float weight's whole blocks of 16."""
+    if weight.dim() == 3 and weight.dtype == torch.float32:
+        return weight.shape[0] * 16
+    if weight.dim() == 5 and weight.dtype == torch.bfloat16:
+        return weight.shape[0] * 16
+    return weight.shape[0]
 
 
 class RMSNorm(nn.Module):
@@ -244,6 +264,12 @@ def linear_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, 
     if isinstance(module, NativeLinear):
         return module.native_weight, module.bias, None
     return module.weight, module.bias, None
+
+
+def whole_blocks(module: nn.Module) -> bool:
+    """Whether a linear's packed outputs are exactly its outputs (whole blocks of 16): what a layer's native
+    call reads (a weight padded up to whole blocks runs module by module, its outputs cut)."""
+    return module.out_features % 16 == 0
 
 
 def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:

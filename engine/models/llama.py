@@ -20,7 +20,7 @@ from torch import nn
 from engine.models.attention import AttentionBatch
 from engine.models.base import CausalLM, ModelOutput
 from engine.models.layers import (Attention, GatedMLP, RMSNorm, Rope, RotaryEmbedding, check_dense_attention,
-                                  config_value, head_dim_of, linear_parts, rope_parameters)
+                                  config_value, head_dim_of, linear_parts, rope_parameters, whole_blocks)
 
 
 class NativeLayer(NamedTuple):
@@ -69,9 +69,12 @@ class DecoderLayer(nn.Module):
         if (attn.kernels is None or not isinstance(mlp, GatedMLP) or attn.qkv_proj is None
                 or mlp.gate_up_proj is None):
             return None
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(whole_blocks(m) for m in modules):
+            return None
         norm_in = self.input_layernorm.weight if self.input_layernorm is not None else None
         post = self.post_attention_layernorm
-        linears = [linear_parts(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = [linear_parts(m) for m in modules]
         q_norm, k_norm, qk_eps = ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
                                   if attn.q_norm is not None else (None, None, 0.0))
         tensors = [norm_in, post.weight, *(t for parts in linears for t in parts), q_norm, k_norm]

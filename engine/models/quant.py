@@ -165,9 +165,14 @@ class QuantizedLinear(nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def kernel_bias(self) -> torch.Tensor | None:
+        """The bias as the kernels' product adds it (one value per packed output)."""
+        return self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.linear(x, self.packed, self.bias, self.scale)
+            y = self.kernels.linear(x, self.packed, self.kernel_bias(), self.scale)
+            return y if y.shape[-1] == self.out_features else y[..., :self.out_features]   # int4: whole blocks
         return self.reference(x)
 
 
@@ -220,6 +225,13 @@ class Int4Linear(QuantizedLinear):
 
     def quantize_and_pack(self, weight):
         return int4_pack(*quantize_int4(weight))
+
+    def kernel_bias(self) -> torch.Tensor | None:
+        """Padded with zeros to the packed outputs: int4's kernels give whole blocks of 16."""
+        padded = self.packed.shape[0] * BLOCK
+        if self.bias is None or padded == self.out_features:
+            return self.bias
+        return F.pad(self.bias, (0, padded - self.out_features))
 
     def weight_int4(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 [N, K'] in -8..7, float16 [N, K'/32])."""
