@@ -57,11 +57,10 @@ void float_rows(const float* x, int64_t k_dim, const typename B::Elem* w, float*
 // in runs (in_row_runs).
 template <typename B, int NB>
 void float_pass(const float* x, int64_t m, int64_t k_dim, const typename B::Elem* w, float* c) {
-  for (int nb = 0; nb < NB; ++nb)
-    in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) {
-      float_rows<decltype(rows)::value, 1, B>(x + r * k_dim, k_dim, w + nb * k_dim * TILE_COLS,
-                                              c + r * GROUP_COLS + nb * TILE_COLS);
-    });
+  in_block_runs<NB>(m, [&](auto blocks, int nb, auto rows, int64_t r) {
+    float_rows<decltype(rows)::value, decltype(blocks)::value, B>(x + r * k_dim, k_dim, w + nb * k_dim * TILE_COLS,
+                                                                 c + r * GROUP_COLS + nb * TILE_COLS);
+  });
 }
 
 // A group's blocks widened to float32 once for all the rows of a prompt chunk (the same values the pass
@@ -111,11 +110,10 @@ void bf16_dot_rows(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w
 
 template <int NB>
 void bf16_dot_pass(const c10::BFloat16* x, int64_t m, int64_t k_dim, const c10::BFloat16* w, float* c) {
-  for (int nb = 0; nb < NB; ++nb)
-    in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) {
-      bf16_dot_rows<1, decltype(rows)::value>(x + r * k_dim, k_dim, w + nb * k_dim * TILE_COLS,
-                                              c + r * GROUP_COLS + nb * TILE_COLS);
-    });
+  in_block_runs<NB>(m, [&](auto blocks, int nb, auto rows, int64_t r) {
+    bf16_dot_rows<decltype(blocks)::value, decltype(rows)::value>(x + r * k_dim, k_dim, w + nb * k_dim * TILE_COLS,
+                                                                  c + r * GROUP_COLS + nb * TILE_COLS);
+  });
 }
 #else
 constexpr bool HAS_AVX512_BF16 = false;

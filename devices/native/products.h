@@ -152,4 +152,21 @@ void in_row_runs(int64_t m, const Run& run) {
     });
 }
 
+// run(S, nb, R, r) over the NB blocks of a group and the rows [0, m): a block at a time (S = 1) when a pass
+// reads its weights from memory at a few rows, so that a thread's weights are one sequential stream; two
+// at a time (S = 2) for more rows where the registers hold both blocks' sums of a run (AVX-512), so that a
+// broadcast input feeds two multiply-adds and the sums, not the reads, are the cost.
+template <int NB, typename Run>
+void in_block_runs(int64_t m, const Run& run) {
+  constexpr bool PAIRS = VEC16_REGISTERS >= 32;
+  int nb = 0;
+  if constexpr (PAIRS && NB >= 2) {
+    if (m > 4 && tuning().paired_blocks)
+      for (; nb + 2 <= NB; nb += 2)
+        in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) { run(std::integral_constant<int, 2>{}, nb, rows, r); });
+  }
+  for (; nb < NB; ++nb)
+    in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) { run(std::integral_constant<int, 1>{}, nb, rows, r); });
+}
+
 }  // namespace tandem
