@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine.models.config import ConfigError, target_config
 from engine.models.base import ARCHITECTURES, CausalLM, DraftHead, model_class
-from devices.cpu_native import auto_cpu_dtype, cpu_kernels as load_cpu_kernels
+from devices.cpu_native import auto_cpu_dtype, cpu_kernels as load_cpu_kernels, return_free_memory
 from engine.models.layers import stack_projections, use_cpu_kernels
 from engine.models.quant import quantize, quantize_lm_head
 
@@ -69,8 +69,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     config = read_target_config(folder)
     model = build_and_load(model_class(config.architectures[0]), config, folder,
                            resolve_dtype(dtype, device, cpu_kernels, quantization), device, cpu_kernels, quantization)
-    quantize_lm_head(model, quantization)
-    use_cpu_kernels(model, model.kernels)
+    finish(model, quantization)
     return model, config
 
 
@@ -93,8 +92,7 @@ def load_draft(path: str | Path, target: CausalLM, dtype: torch.dtype | str = to
             head.restrict_vocab(load_token_map(token_map, head.vocab_size))
         except ValueError as exc:
             raise CheckpointError(f"--speculative-token-map {token_map} with the head in {folder}: {exc}") from exc
-    quantize_lm_head(head, quantization)
-    use_cpu_kernels(head, head.kernels)
+    finish(head, quantization)
     return head, config
 
 
@@ -186,15 +184,25 @@ def build_and_load(cls: type, config, folder: Path, dtype: torch.dtype, device: 
     for name, want in expected.items():
         tensor = read_tensor(checkpoint, names[name])
         target_dtype = dtype if want.dtype.is_floating_point else want.dtype
-        state[name] = tensor.to(device=device, dtype=target_dtype)
+        # a copy of its own: a tensor of the file's dtype would otherwise be the file's mapping, which every
+        # such tensor kept whole in the process's memory beside the packed weights
+        state[name] = tensor.to(device=device, dtype=target_dtype, copy=True)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)                                           # non-persistent buffers (rotary inv_freq)
     model.requires_grad_(False)
     stack_projections(model)
     quantize(model, quantization)
     model.kernels = load_cpu_kernels(cpu_kernels) if torch.device(device).type == "cpu" else None
-    use_cpu_kernels(model, model.kernels)
     return model.eval()
+
+
+def finish(model, quantization: str | None) -> None:
+    """A built model's last steps, once its LM head is known (a draft head's is its target's): the head
+    quantized, the weights packed for the native kernels where the model runs them."""
+    quantize_lm_head(model, quantization)
+    use_cpu_kernels(model, model.kernels)
+    if model.kernels is not None:
+        return_free_memory()              # the loaded, stacked and unpacked copies' pages
 
 
 def tandem_names(checkpoint_names: list[str], cls: type) -> dict[str, str | dict]:
