@@ -14,6 +14,8 @@ pure torch with the reason; "native" insists (an error if they do not build); "t
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -85,9 +87,24 @@ def build() -> ModuleType:
     if not any(folder.glob("*.so")):
         log.info("building the native CPU kernels for %s in %s (once; about a minute)", arch, folder)
     name = "tandem_cpu_kernels_" + re.sub(r"[^A-Za-z0-9]", "_", arch)
-    return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=COMMON_FLAGS + arch_flags(arch),
-                extra_include_paths=[str(SOURCE_DIR)], extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                verbose=False)
+    with builder_lock(folder):
+        return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=COMMON_FLAGS + arch_flags(arch),
+                    extra_include_paths=[str(SOURCE_DIR)], extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                    verbose=False)
+
+
+@contextlib.contextmanager
+def builder_lock(folder: Path):
+    """One builder per folder, by a lock the kernel drops when its holder dies. torch's own lock is a file
+    that a build killed midway leaves behind, and every later build waits on it forever: whoever holds this
+    lock is the only builder, so a `lock` file it finds is such a leftover and goes."""
+    with open(folder / ".builder", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cpu_kernels(choice: str = "auto") -> ModuleType | None:

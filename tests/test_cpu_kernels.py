@@ -6,6 +6,7 @@ stacked layers' call against the layers one by one."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -388,6 +389,28 @@ def test_without_a_compiler_auto_falls_back_and_native_refuses(monkeypatch, capl
             cpu_native.cpu_kernels("fast")
     finally:
         cpu_native.build.cache_clear()
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_stops_the_next(tmp_path):
+    """torch's build lock is a plain file: a builder killed midway leaves it, and the next build would wait on
+    it forever. The builder lock is the kernel's (freed with its holder): its holder removes a leftover, and
+    a second builder waits for the first instead of removing the lock of a build in progress."""
+    (tmp_path / "lock").touch()                              # what a killed build leaves
+    with cpu_native.builder_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        (tmp_path / "lock").touch()                          # this build's own lock, in progress
+        entered = threading.Event()
+
+        def second_builder():
+            with cpu_native.builder_lock(tmp_path):
+                entered.set()
+
+        waiting = threading.Thread(target=second_builder)
+        waiting.start()
+        assert not entered.wait(0.3) and (tmp_path / "lock").exists()
+        (tmp_path / "lock").unlink()                         # the first build finishes
+    assert entered.wait(5)
+    waiting.join(5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

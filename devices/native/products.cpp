@@ -12,7 +12,7 @@ namespace tandem {
 
 // ---- the portable float passes -------------------------------------------------------------------
 
-// A pass reads one column block at a time, front to back, for a run of rows (MAX_RUN): the thread's weights
+// A pass reads one column block at a time, front to back, for a run of rows (run_limit): the thread's weights
 // are then one sequential stream, what the hardware prefetcher follows best when decoding reads them from
 // memory, and a run of many rows still makes a weight vector's load one of several multiply-adds.
 
@@ -36,32 +36,46 @@ struct Bf16PairBlocks {      // inputs k, k + 1 of the 16 columns side by side (
 
 // The float sums of R rows of x (rows k_dim apart) against NB blocks from w (blocks k_dim * 16 elements
 // apart) into c [R][GROUP_COLS]: each weight vector loaded once for the R rows, each column's sum its inputs
-// in order (one multiply-add each), whatever R is, and whatever format the weight vector came from.
-template <int R, int NB, typename B>
+// in order, one multiply-add each, into CHAINS sums taken in turn input by input (added at the end: a
+// chain of dependent multiply-adds a load of 16 int8 weights long was what held weight-only int8's decoding
+// back), whatever R is, and whatever format the weight vector came from.
+template <int R, int NB, typename B, int CHAINS>
 void float_rows(const float* x, int64_t k_dim, const typename B::Elem* w, float* c) {
   const int64_t column_stride = k_dim * TILE_COLS;
-  Vec16 acc[R][NB] = {};
-  for (int64_t k = 0; k < k_dim; k += B::UNIT) {
+  Vec16 acc[CHAINS][R][NB] = {};
+  int64_t k = 0;
+  const auto step = [&](auto chain) {
     for (int nb = 0; nb < NB; ++nb) {
       Vec16 wv[B::UNIT];
       B::load(w + nb * column_stride, k, wv);
       for (int u = 0; u < B::UNIT; ++u)
-        for (int r = 0; r < R; ++r) acc[r][nb] += splat(x[r * k_dim + k + u]) * wv[u];
+        for (int r = 0; r < R; ++r) acc[chain][r][nb] += splat(x[r * k_dim + k + u]) * wv[u];
     }
-  }
+    k += B::UNIT;
+  };
+  for (; k + CHAINS * B::UNIT <= k_dim;)
+    [&]<int... I>(std::integer_sequence<int, I...>) { (step(I), ...); }(std::make_integer_sequence<int, CHAINS>{});
+  for (int chain = 0; k < k_dim; chain = (chain + 1) % CHAINS) step(chain);
   for (int r = 0; r < R; ++r)
-    for (int nb = 0; nb < NB; ++nb) store16(c + r * GROUP_COLS + nb * TILE_COLS, acc[r][nb]);
+    for (int nb = 0; nb < NB; ++nb) {
+      Vec16 sum = acc[0][r][nb];
+      for (int chain = 1; chain < CHAINS; ++chain) sum += acc[chain][r][nb];
+      store16(c + r * GROUP_COLS + nb * TILE_COLS, sum);
+    }
 }
 
-// The float sums of rows [0, m) of x against the NB blocks at w, c [m][GROUP_COLS]: block by block, the rows
-// in runs (in_row_runs).
-template <typename B, int NB>
+// The float sums of rows [0, m) of x against the NB blocks at w, c [m][GROUP_COLS] (in_block_runs).
+template <typename B, int NB, int CHAINS>
 void float_pass(const float* x, int64_t m, int64_t k_dim, const typename B::Elem* w, float* c) {
-  in_block_runs<NB>(m, [&](auto blocks, int nb, auto rows, int64_t r) {
-    float_rows<decltype(rows)::value, decltype(blocks)::value, B>(x + r * k_dim, k_dim, w + nb * k_dim * TILE_COLS,
-                                                                 c + r * GROUP_COLS + nb * TILE_COLS);
+  in_block_runs<NB, CHAINS>(m, [&](auto blocks, int nb, auto rows, int64_t r) {
+    float_rows<decltype(rows)::value, decltype(blocks)::value, B, CHAINS>(
+        x + r * k_dim, k_dim, w + nb * k_dim * TILE_COLS, c + r * GROUP_COLS + nb * TILE_COLS);
   });
 }
+
+// Each format's chains: weight-only int8 reads 16 bytes a multiply-add, so one chain a column would wait on
+// the multiply-add's latency more than on memory; float32 reads 64, bf16 pairs 64 for two.
+constexpr int INT8_CHAINS = 2;
 
 // A group's blocks widened to float32 once for all the rows of a prompt chunk (the same values the pass
 // widens vector by vector, so the same sums), in a buffer of the thread's own.
@@ -245,10 +259,14 @@ struct FloatOps : NoSetup {
   void pass(Blocks, int64_t m0, int64_t m, int64_t first, float* c) const {
     constexpr int NB = Blocks::value;
     const int64_t k = w->k_padded, at = first * k * TILE_COLS;
-    if (widened) return float_pass<F32Blocks, NB>(xf + m0 * k, m, k, widened, c);
+    if (widened) {                 // the chains of the format the weights were widened from
+      if (w->format == Format::Int8) return float_pass<F32Blocks, NB, INT8_CHAINS>(xf + m0 * k, m, k, widened, c);
+      return float_pass<F32Blocks, NB, 1>(xf + m0 * k, m, k, widened, c);
+    }
     switch (w->format) {
-      case Format::Float32: return float_pass<F32Blocks, NB>(xf + m0 * k, m, k, w->data.data_ptr<float>() + at, c);
-      case Format::Int8: return float_pass<Int8Blocks, NB>(xf + m0 * k, m, k, w->data.data_ptr<int8_t>() + at, c);
+      case Format::Float32: return float_pass<F32Blocks, NB, 1>(xf + m0 * k, m, k, w->data.data_ptr<float>() + at, c);
+      case Format::Int8:
+        return float_pass<Int8Blocks, NB, INT8_CHAINS>(xf + m0 * k, m, k, w->data.data_ptr<int8_t>() + at, c);
       default: break;
     }
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -260,7 +278,7 @@ struct FloatOps : NoSetup {
       if (native_bf16) return bf16_dot_pass<NB>(x + m0 * k, m, k, wp + at, c);
 #endif
     }
-    float_pass<Bf16PairBlocks, NB>(xf + m0 * k, m, k, w->data.data_ptr<c10::BFloat16>() + at, c);
+    float_pass<Bf16PairBlocks, NB, 1>(xf + m0 * k, m, k, w->data.data_ptr<c10::BFloat16>() + at, c);
   }
 
   void store(int64_t m0, int64_t m, int64_t first, int64_t nb, const float* c) const {

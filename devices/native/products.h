@@ -119,12 +119,17 @@ struct NoSetup {
   void done() {}
 };
 
-// How many rows a pass runs against a weight block at once, by what the build's registers hold (each row's
-// 16 sums, one weight vector and a broadcast input): eight where 16 floats are one register (AVX-512), six
-// where they are two (AVX2) or four of 32 registers (NEON), two where four of 16 (SSE). A verify run of 4-5
-// drafts and its bonus token, or a tile of 16 prompt rows, is read in as few runs as that allows, so each
-// weight vector is loaded once for all of them.
-constexpr int MAX_RUN = VEC16_REGISTERS >= 32 ? 8 : VEC16_REGISTERS >= 8 ? 6 : 2;
+// How many rows a pass runs against a weight block at once, by what the build's registers hold: each row's
+// 16 sums for each of S blocks and C chains (below), beside a weight vector and a broadcast input, within
+// three quarters of the registers, at most 8: 8 where 16 floats are one register (AVX-512), 6 where they are
+// two (AVX2) or four of 32 registers (NEON), 3 where four of 16 (SSE). A verify run of 4-5 drafts and its
+// bonus token, or a tile of 16 prompt rows, is read in as few runs as that allows, so each weight vector is
+// loaded once for all of them.
+constexpr int run_limit(int blocks, int chains) {
+  const int most = VEC16_REGISTERS * 3 / 4 / (blocks * chains);
+  return most < 1 ? 1 : most > 8 ? 8 : most;
+}
+constexpr int MAX_RUN = run_limit(1, 1);
 
 // f(std::integral_constant<int, n>) for n = 1..8.
 template <typename F>
@@ -155,18 +160,23 @@ void in_row_runs(int64_t m, const Run& run) {
 // run(S, nb, R, r) over the NB blocks of a group and the rows [0, m): a block at a time (S = 1) when a pass
 // reads its weights from memory at a few rows, so that a thread's weights are one sequential stream; two
 // at a time (S = 2) for more rows where the registers hold both blocks' sums of a run (AVX-512), so that a
-// broadcast input feeds two multiply-adds and the sums, not the reads, are the cost.
-template <int NB, typename Run>
+// broadcast input feeds two multiply-adds and the sums, not the reads, are the cost. CHAINS: the sums each
+// row keeps a column (run_limit).
+template <int NB, int CHAINS = 1, typename Run>
 void in_block_runs(int64_t m, const Run& run) {
   constexpr bool PAIRS = VEC16_REGISTERS >= 32;
   int nb = 0;
   if constexpr (PAIRS && NB >= 2) {
     if (m > 4 && tuning().paired_blocks)
       for (; nb + 2 <= NB; nb += 2)
-        in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) { run(std::integral_constant<int, 2>{}, nb, rows, r); });
+        in_row_runs<run_limit(2, CHAINS)>(m, [&](auto rows, int64_t r) {
+          run(std::integral_constant<int, 2>{}, nb, rows, r);
+        });
   }
   for (; nb < NB; ++nb)
-    in_row_runs<MAX_RUN>(m, [&](auto rows, int64_t r) { run(std::integral_constant<int, 1>{}, nb, rows, r); });
+    in_row_runs<run_limit(1, CHAINS)>(m, [&](auto rows, int64_t r) {
+      run(std::integral_constant<int, 1>{}, nb, rows, r);
+    });
 }
 
 }  // namespace tandem
