@@ -73,6 +73,8 @@ class EngineCore:
         self.meter = OverlapMeter()
         self.in_flight: InFlight | None = None
         self.last_awaited: InFlight | None = None
+        self.device_free_at = 0.0      # when the last launch awaited finished on the device
+        self.last_cycle = 0.0          # that launch's cycle (account_device)
         self.observers: list[Callable[[Finished], None]] = []           # each processed step
         self.launch_observers: list[Callable[[InFlight], None]] = []    # each step, right after its launch
         self.failed_steps = 0
@@ -207,7 +209,8 @@ class EngineCore:
             output = result.output()
             self.scheduler.policy.observe_launch(
                 flight.batch, flight.launched.finished - flight.launched.started,
-                len(result.rounds) if result.rounds is not None else flight.batch.steps, output)
+                len(result.rounds) if result.rounds is not None else flight.batch.steps, output,
+                cycle=self.last_cycle)
             news = self.scheduler.process(flight.batch, output)
         except Exception as exc:       # a bug on the CPU side: the batch fails alone
             return self.step_failed(flight, exc, behind)
@@ -220,8 +223,14 @@ class EngineCore:
         return news
 
     def account_device(self, flight: InFlight) -> None:
+        """Device time, and the launch's cycle: from the previous launch's end on the device to this one's.
+        Launches follow each other on the device, so a cycle longer than the launch's own span is time the
+        device waited for the loop to prepare it: what a decoding mode costs the server, not just the device."""
         launched = flight.launched
         if launched.finished:
+            span = launched.finished - launched.started
+            since = launched.finished - self.device_free_at if self.device_free_at else span
+            self.last_cycle, self.device_free_at = max(span, since), launched.finished
             self.meter.device(launched.started, launched.finished)
             self.tracer.span("device", f"forward {flight.batch.step}", launched.started, launched.finished,
                              tokens=flight.batch.num_tokens)

@@ -86,6 +86,6 @@ class MultiStepDecoding(DecodePolicy):
         seq.req.decode.extra_in_flight -= batch.steps - 1
 
     def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int,
-                       output: StepOutput | None = None) -> None:
+                       output: StepOutput | None = None, cycle: float | None = None) -> None:
         if batch.seqs and all(seq.decode for seq in batch.seqs):       # decodes alone: no prompt chunk in it
             self.budget.observe(len(batch.seqs), 0, rounds, seconds)

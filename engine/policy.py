@@ -65,9 +65,11 @@ class DecodePolicy:
         """A sampling sequence of a voided batch: its output will never be processed."""
 
     def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int,
-                       output: StepOutput | None = None) -> None:
-        """A launched batch ran `rounds` steps in `seconds` of device time and produced `output`
-        (engine/launch_budget.py and spec/gate.py learn from it)."""
+                       output: StepOutput | None = None, cycle: float | None = None) -> None:
+        """A launched batch ran `rounds` steps in `seconds` of device time and produced `output`;
+        `cycle`: the wall time it held the device's turn, the loop's part included where the device waited
+        for it (engine/core.py). engine/launch_budget.py learns from the device time, spec/gate.py from
+        the cycle."""
 
     def on_retract(self, req: Request) -> None:
         """The request lost its KV and will recompute from its prompt and outputs."""

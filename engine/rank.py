@@ -58,8 +58,10 @@ def decode_policy(args: ServerArgs, runner: ModelRunner) -> DecodePolicy:
     fixed = f"; every decode plain from {off} decoding requests (--speculative-disable-by-batch-size)" if off else ""
     log.info("speculation gate: %s%s", gate.describe() if gate else
              f"off (--speculative-adaptive {args.speculative_adaptive})", fixed)
+    # under DP attention every rank makes the same model calls a step: the draft reads what any rank runs
+    falls_behind = runner.worker.falls_behind and not args.enable_dp_attention
     return SpeculativeDecoding(runner.spec_tokens, off, runner.worker.catches_up, rounds=steps, budget=budget,
-                               gate=gate)
+                               gate=gate, draft_falls_behind=falls_behind)
 
 
 def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None,

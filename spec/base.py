@@ -75,6 +75,7 @@ class Verified:
 class SpecWorker(ABC):
     needs_aux = False          # the target must return EAGLE-3 aux hidden states
     catches_up = False         # the draft can skip prefill batches and read what it missed later
+    falls_behind = False       # it can skip reading a batch, whose requests then never draft again (policy's `behind`)
     draft_kv: KVCache | None = None
     graphs = None              # its captured draft steps (spec/draft_graphs.py), where graphs are on
     draft_weights: str | None = None     # the draft model's quantization (draft_quantization)

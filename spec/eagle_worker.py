@@ -42,6 +42,9 @@ ROW_STATE = ("draft_first", "draft_hidden", "first_confidence", "first_probs")
 
 
 class EagleWorker(SpecWorker):
+    # A head reads the target's features, which are gone after the step: what it skips it cannot catch up
+    # on, so a request whose positions it skipped (inp.spec.draft_skip) decodes plainly to its end.
+    falls_behind = True
     def __init__(self, args, target):
         super().__init__(args, target)
         dev = target.torch_device
@@ -173,6 +176,9 @@ class EagleWorker(SpecWorker):
     # ---- prefill -------------------------------------------------------------------
 
     def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
+        if inp.spec.draft_skip:                 # its requests are behind for good: they never draft again
+            self.seed_sampled_rows(inp, sampled)
+            return
         dev = sampled.device
         last = torch.cumsum(inp.q_lens.to(dev), 0) - 1                         # last token of each seq
         next_ids = torch.roll(input_ids, -1)

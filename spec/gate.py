@@ -5,9 +5,13 @@ launches where speculation is expected to lose. Pure Python: plain numbers in, a
 Per bucket of batch sizes (1, 2-3, 4-7, 8-15, 16-31, 32+ decoding requests) it keeps what
 all-greedy decode launches of that size measured, per request of the batch (a row):
 
-  speculative rounds   device seconds per row and round; tokens a row emits per round (its
-                       accepted drafts + 1)
-  plain steps          device seconds per row and step (each emits one token)
+  speculative rounds   seconds per row and round; tokens a row emits per round (its accepted
+                       drafts + 1)
+  plain steps          seconds per row and step (each emits one token)
+
+Seconds are a launch's cycle (engine/core.py): from the end of the launch before it on the device to
+its own end, so that time the device waited for the loop to prepare a launch counts against its mode
+(a speculative round asks more of the loop than a plain step).
 
 Expected decode rate of a request: speculative = tokens per round / seconds per round, plain =
 1 / seconds per step. A bucket that speculates turns plain once the ratio speculative / plain
@@ -96,6 +100,12 @@ class SpecGate:
         if bucket.since_other >= EXPLORE_EVERY:
             return not bucket.speculating
         return bucket.speculating
+
+    def settled_plain(self, rows: int) -> bool:
+        """Has the bucket of `rows` chosen plain decoding on both modes' measurements (not merely not
+        measured speculation yet, nor exploring plain steps from a speculating bucket)?"""
+        bucket = self.buckets[bucket_of(rows)]
+        return not bucket.speculating and bucket.spec_rate() is not None and bucket.plain_rate() is not None
 
     def fed(self, rows: int, speculative: bool) -> None:
         """A decode launch of `rows` all-greedy requests was fed in this mode."""

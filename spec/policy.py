@@ -67,22 +67,25 @@ class SpecRecord:
     drafting: int = 0           # speculative steps with drafts in flight (kv_len is a bound while > 0)
     extra_rounds: int = 0       # rounds (plain run steps) in flight beyond one a launch (each emits a token or more)
     plain: bool = False         # its last step was a plain decode (feed_plain: under load, or the gate's)
+    behind: bool = False        # its draft skipped positions it cannot read later: it decodes plainly to its end
     verify_steps: int = 0       # steps that produced output for it while decoding
 
 
 class SpeculativeDecoding(DecodePolicy):
     def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False, rounds: int = 1,
-                 budget: LaunchBudget | None = None, gate: SpecGate | None = None):
+                 budget: LaunchBudget | None = None, gate: SpecGate | None = None, draft_falls_behind: bool = False):
         self.spec_tokens = spec_tokens          # k+1 positions per speculative step
         self.rounds = rounds                    # most steps a launch (--num-scheduler-steps)
         self.budget = budget or LaunchBudget(0)     # and those that fit in --max-launch-ms
         self.growth = spec_tokens * rounds      # KV positions one decode launch may add
         self.off_batch_size = off_batch_size    # decode batches this large draft nothing (0: always draft)
         self.catches_up = draft_catches_up      # the draft can skip prefill chunks and read them later
+        self.falls_behind = draft_falls_behind  # it can skip them for good (an EAGLE head): see `aside`
         self.gate = gate                        # --speculative-adaptive (None: off)
         self.off_steps = 0                      # decode steps without speculation (under load)
         self.gate_steps = 0                     # decode steps without speculation (the gate's choice)
-        self.plain_now: str | None = None       # why this step's decodes go plain: "load", "gate", or None
+        self.plain_now: str | None = None       # why this step's decodes go plain: "load", "gate", "behind", or None
+        self.aside_now = False                  # this step's batch is not read by the draft: its requests fall behind
 
     @property
     def k(self) -> int:
@@ -100,7 +103,9 @@ class SpeculativeDecoding(DecodePolicy):
     def decodes_now(self, sched: "Scheduler", decodes: list[Request]) -> bool:
         """Speculative decodes wait for a prefill batch; plain ones join it. Decides for the step
         whether its decodes go plain (plan_decodes keeps that)."""
-        self.plain_now = self.plain_reason(self.wanting(sched, decodes))
+        wanting = self.wanting(sched, decodes)
+        self.plain_now = self.plain_reason(wanting)
+        self.aside_now = self.aside(wanting)
         return not sched.prefill_ready() or self.plain_now is not None
 
     def wanting(self, sched: "Scheduler", decodes: list[Request]) -> list[Request]:
@@ -113,12 +118,27 @@ class SpeculativeDecoding(DecodePolicy):
 
     def plain_reason(self, decodes: list[Request]) -> str | None:
         """Why these decodes go without speculation: "load" (the fixed rule, which overrides the
-        gate), "gate" (an all-greedy batch the gate expects speculation to lose on), or None."""
+        gate), "behind" (one of them can no longer draft), "gate" (an all-greedy batch the gate
+        expects speculation to lose on), or None."""
         if self.under_load(decodes):
             return "load"
+        if any(r.decode.behind for r in decodes):
+            return "behind"
         if self.gated(decodes) and not self.gate.speculate(len(decodes)):
             return "gate"
         return None
+
+    def aside(self, decodes: list[Request]) -> bool:
+        """Does speculation step aside for good for these decodes: the draft does not read their plain
+        steps (nor the prompts that join them), so they decode as fast as without a draft but never draft
+        again? For a draft that cannot catch up (an EAGLE head: what it reads are the target's features of
+        the step), once the gate has settled on plain decoding at their batch size (SpecGate.settled_plain),
+        or once one of them is behind already. Keeping the head current costs its pass over every plain
+        step, which is what the gate's choice was to save; a bucket that stepped aside measures speculation
+        again when its requests have ended."""
+        if not self.falls_behind or self.plain_now not in ("gate", "behind"):
+            return False
+        return self.plain_now == "behind" or self.gate.settled_plain(len(decodes))
 
     def gated(self, decodes: list[Request]) -> bool:
         """The gate decides for (and learns from) all-greedy batches only (spec/gate.py)."""
@@ -166,7 +186,7 @@ class SpeculativeDecoding(DecodePolicy):
         return max(1, min(self.rounds, self.budget.steps(len(decodes), 0), most_wanted, room))
 
     def count_plain(self, steps: int) -> None:
-        if self.plain_now == "gate":
+        if self.plain_now in ("gate", "behind"):
             self.gate_steps += steps
         else:
             self.off_steps += steps
@@ -261,7 +281,10 @@ class SpeculativeDecoding(DecodePolicy):
         off = self.off_batch_size
         skip = self.catches_up and (self.plain_now is not None or 0 < off <= len(sched.running)
                                     or any(seq.req.decode.draft_end < seq.start for seq in batch.seqs))
-        batch.spec.draft_skip = skip
+        batch.spec.draft_skip = skip or self.aside_now
+        if self.aside_now:
+            for seq in batch.seqs:
+                seq.req.decode.behind = True
         # Requests that end with their first token (max_tokens 1, not exported) never get a decode
         # step (tokens_wanted is 0 once the prefill is in flight): the draft's pass over their prompts
         # would only hold up the batch behind.
@@ -291,7 +314,7 @@ class SpeculativeDecoding(DecodePolicy):
             seq.req.decode.drafting -= batch.chain > 0
 
     def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int,
-                       output: StepOutput | None = None) -> None:
+                       output: StepOutput | None = None, cycle: float | None = None) -> None:
         """Speculative launches and plain runs teach the launch budget their size's time; all-greedy
         ones teach the gate too (a batch with prompt chunks in it measures neither)."""
         speculative = batch.is_spec_decode and batch.chain > 0
@@ -300,14 +323,15 @@ class SpeculativeDecoding(DecodePolicy):
             return                   # a prefill batch, or a chain-0 step (a one-off on the way to plain steps)
         rows = len(batch.seqs)
         self.budget.observe(rows, batch.chain, rounds, seconds)
-        if self.gate is not None and all(params.greedy for params in batch.sample_params):
+        # a plain run the draft did not read (`aside`) costs less than the gate's plain steps, which keep it current
+        if self.gate is not None and not batch.spec.draft_skip and all(params.greedy for params in batch.sample_params):
             tokens = sum(len(run) for run in output.tokens) if speculative and output else 0
             if tokens or not speculative:
-                self.gate.observe(rows, speculative, seconds, rounds, tokens)
+                self.gate.observe(rows, speculative, max(seconds, cycle or 0.0), rounds, tokens)
 
     def on_retract(self, req: Request) -> None:
         req.decode.draft_lag = req.decode.draft_end = 0
-        req.decode.plain = False
+        req.decode.plain = req.decode.behind = False      # its recompute is read again
 
     def verify_steps(self, req: Request) -> int:
         return req.decode.verify_steps

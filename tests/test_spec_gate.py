@@ -124,12 +124,16 @@ class Scripted(SpecGate):
     """A gate that answers `modes` in turn, one per launch fed (a plain launch it wanted but could
     not have yet, behind a drafting step, it keeps asking for)."""
 
-    def __init__(self, modes: list[bool]):
+    def __init__(self, modes: list[bool], settle_after: int | None = None):
         super().__init__()
-        self.modes, self.launches = modes, 0
+        self.modes, self.launches, self.settle_after = modes, 0, settle_after
 
     def speculate(self, rows: int) -> bool:
         return self.modes[self.launches % len(self.modes)]
+
+    def settled_plain(self, rows: int) -> bool:
+        """From launch `settle_after` on, a plain launch is the bucket's settled choice."""
+        return self.settle_after is not None and self.launches >= self.settle_after and not self.speculate(rows)
 
     def fed(self, rows: int, speculative: bool) -> None:
         self.launches += 1
@@ -185,6 +189,43 @@ def test_plain_decodes_join_a_waiting_prompt_and_sampling_batches_keep_speculati
     assert with_sampling.is_spec_decode and with_sampling.chain == 3 and spec.gate_steps == 2
 
 
+def test_a_head_that_cannot_catch_up_steps_aside_once_the_gate_settles_on_plain():
+    """An EAGLE head reads the target's features of a step or never: once the gate has settled on plain
+    decoding, the head skips the plain runs (and the prompts that join them), and their requests decode
+    plainly to their end whatever the gate says later; a retracted request is read again."""
+    gate = Scripted([False], settle_after=0)
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=gate, draft_falls_behind=True)
+    sched = make(spec)
+    req = prefilled(sched, "g", [1, 2, 3])
+    assert not req.decode.behind                      # no decode then: the head read the prompt
+    run = sched.schedule()
+    assert not run.is_spec_decode and run.steps == 4 and run.spec.draft_skip and req.decode.behind
+    sched.process(run, StepOutput(tokens=[[5, 6, 7, 8]]))
+    gate.modes = [True]                               # the gate would speculate now
+    sched.add("p", [7, 8, 9], GREEDY)
+    mixed = sched.schedule()                          # the behind request stays plain; the prompt joins
+    assert not mixed.is_spec_decode and mixed.spec.draft_skip
+    assert [(s.req.rid, s.q_len) for s in mixed.seqs] == [("g", 1), ("p", 3)]
+    assert sched.requests["p"].decode.behind and spec.gate_steps == 5
+    spec.on_retract(req)
+    assert not req.decode.behind
+
+    exploring = Scripted([False])                     # plain, but not settled (exploring, or not measured)
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=exploring, draft_falls_behind=True)
+    sched = make(spec)
+    req = prefilled(sched, "g", [1, 2, 3])
+    run = sched.schedule()
+    assert not run.is_spec_decode and not run.spec.draft_skip and not req.decode.behind
+
+    settled = Scripted([False], settle_after=0)       # a draft that reads everything or catches up
+    for catches_up in (False, True):
+        spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=settled, draft_catches_up=catches_up)
+        sched = make(spec)
+        req = prefilled(sched, "g", [1, 2, 3])
+        run = sched.schedule()
+        assert run.spec.draft_skip == catches_up and not req.decode.behind
+
+
 def test_the_fixed_rule_comes_first_and_counts_apart():
     spec = SpeculativeDecoding(spec_tokens=4, off_batch_size=2, rounds=4, gate=Scripted([False]))
     sched = make(spec)
@@ -203,6 +244,7 @@ class GateDevice:
 
     def __init__(self, catches_up: bool, seed: int = 0):
         self.catches_up, self.rng = catches_up, random.Random(seed)
+        self.behind: set[int] = set()           # rows whose draft skipped what it cannot catch up on
         self.futures, self.table = {}, set()
         self.kv, self.bonus, self.draft = {}, {}, {}
         self.kinds: list[str] = []
@@ -239,6 +281,9 @@ class GateDevice:
     def read_draft(self, row: int, start: int, end: int, skip: bool) -> None:
         if start == 0:
             self.draft[row] = 0                 # a new request in this row
+            self.behind.discard(row)
+        if skip and not self.catches_up:
+            self.behind.add(row)
         if not skip:
             assert self.draft[row] >= start, "the draft reads past a hole it never caught up on"
             self.draft[row] = end
@@ -249,6 +294,7 @@ class GateDevice:
             row, length = seq.row, self.kv[seq.row]
             lag = batch.spec.draft_lag[i] if index == 0 else 0
             if batch.chain:                     # what the draft reads before drafting
+                assert row not in self.behind, "a draft drafts after skipping what it cannot catch up on"
                 assert self.draft[row] >= (length - 1 - lag if self.catches_up else length), "a stale draft"
             assert all((row, pos) in self.table for pos in range(length, length + batch.chain + 1))
             run = [next_token(self.bonus[row])]
@@ -288,12 +334,14 @@ def drive_gated(sched: Scheduler, device: GateDevice, overlap: bool, arrivals: d
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("rounds", [1, 4])
-@pytest.mark.parametrize("catches_up", [False, True], ids=["eagle-like", "standalone-like"])
-def test_outputs_are_exact_with_the_gate_switching(overlap, rounds, catches_up):
+@pytest.mark.parametrize("catches_up,falls_behind", [(False, False), (True, False), (False, True)],
+                         ids=["eagle-like", "standalone-like", "eagle-stepping-aside"])
+def test_outputs_are_exact_with_the_gate_switching(overlap, rounds, catches_up, falls_behind):
     """Requests arrive over time, some of them sampling, one running into the context; a gate
-    that switches every launch or two."""
+    that switches every launch or two (and, stepping aside, settles on plain from launch 6)."""
     spec = SpeculativeDecoding(spec_tokens=4, draft_catches_up=catches_up, rounds=rounds,
-                               gate=Scripted([True, False, False, True, True, False]))
+                               draft_falls_behind=falls_behind,
+                               gate=Scripted([True, False, False, True, True, False], 6 if falls_behind else None))
     sched = make(spec, rows=6, context=300)
     rng = random.Random(rounds)
     arrivals: dict[int, list] = {}
@@ -318,6 +366,7 @@ def test_outputs_are_exact_with_the_gate_switching(overlap, rounds, catches_up):
     assert {"draft", "plain"} <= kinds and ("plain run" in kinds) == (rounds > 1)
     assert "chain0" in kinds or not overlap          # plain right behind a drafting step in flight
     assert spec.gate_steps > 0 and spec.off_steps == 0
+    assert any(r.decode.behind for r in requests.values()) == falls_behind
 
 
 # ---- the embedded model, in-process ---------------------------------------------------------
@@ -344,9 +393,11 @@ class Served:
         self.kinds: list[str] = []
         self.drafted_tokens = self.drafted_rounds = 0     # emitted by rounds that drafted, and their row-rounds
         self.first_tokens = self.first_rows = 0           # the same of the first round of each launch
+        self.unread = 0                                    # launches the draft did not read (stepping aside)
 
     def observe(self, done) -> None:
         batch = done.batch
+        self.unread += bool(batch.spec and batch.spec.draft_skip)
         if batch.is_spec_decode:
             self.kinds.append("draft" if batch.chain else "chain0")
             if batch.chain:
@@ -413,6 +464,18 @@ async def test_greedy_outputs_stay_plain_decodings_with_the_gate_switching(algor
     kinds = set(served.kinds)
     assert "draft" in kinds and ("plain run" if steps == FOUR_STEPS else "plain") in kinds
     assert "chain0" in kinds or overlap
+
+
+@pytest.mark.parametrize("algorithm,flags", [("eagle", FOUR_STEPS),
+                                             ("eagle3", ["--disable-overlap-schedule", *ONE_STEP])])
+async def test_greedy_outputs_stay_plain_decodings_when_the_head_steps_aside(algorithm, flags, prompts, reference):
+    """The gate settles on plain from its third launch: the head stops reading, its requests decode
+    plainly to their end, and the outputs are plain greedy decoding's."""
+    from tests.engine_harness import ALGORITHMS
+    served = await serve([*ALGORITHMS[algorithm], *flags], prompts, gate=Scripted([True, False], settle_after=3))
+    assert served.outputs == reference
+    assert "draft" in served.kinds and served.unread > 0
+    assert "draft" not in served.kinds[served.kinds.index("draft") + 4:]   # none after the head stepped aside
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "ngram", "standalone"])
