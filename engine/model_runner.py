@@ -251,7 +251,7 @@ class ModelRunner:
         q_lens, kv_lens, rows = put(inp.q_lens), put(inp.kv_lens), put(inp.rows)
         sb = to_device(inp.sampling, self.device.torch_device)
         reads = self.worker is not None and self.drafts_prompt(inp)
-        aux = reads and self.worker.needs_aux
+        aux = reads and self.worker.needs_aux and not self.unread(inp)
         fed, outs, tokens, logits = [], [], [], []
         for step in range(inp.steps):
             attn = build_attention_batch(q_lens, kv_lens + step, rows, self.req_to_slot, 1, inp.max_kv + step, self.kv)
@@ -281,11 +281,18 @@ class ModelRunner:
         q_lens = torch.full((batch,), steps, dtype=torch.long)
         run = dataclasses.replace(inp, q_lens=q_lens, kv_lens=inp.kv_lens + steps - 1, max_q=steps,
                                   max_kv=inp.max_kv + steps - 1, steps=1)
+        if self.unread(inp):                   # the head steps aside: it only learns where the rows stand
+            self.worker.after_prefill(run, fed.reshape(-1), None, None, last)
+            return
         attn = build_attention_batch(put(run.q_lens), put(run.kv_lens), put(inp.rows), self.req_to_slot, steps,
                                      run.max_kv, self.kv)
         out = ModelOutput(hidden=rows_first([o.hidden for o in outs]),
                           aux_hidden=rows_first([o.aux_hidden for o in outs]))
         self.worker.after_prefill(run, fed.reshape(-1), attn, out, last)
+
+    def unread(self, inp: StepInputs) -> bool:
+        """A batch the speculative worker skips for good (spec/policy.py `aside`): nothing to lay out for it."""
+        return inp.spec.draft_skip and self.worker.falls_behind
 
     def drafts_prompt(self, inp: StepInputs) -> bool:
         """Does the speculative worker read this prefill batch? Not when none of its requests decodes

@@ -107,6 +107,16 @@ class SpecGate:
         bucket = self.buckets[bucket_of(rows)]
         return not bucket.speculating and bucket.spec_rate() is not None and bucket.plain_rate() is not None
 
+    def skip_prompts(self, rows: int) -> bool:
+        """Greedy prompts arrive while `rows` requests run: may the draft skip them (their requests will
+        decode plainly)? Where the bucket is settled on plain, except when it is due to explore: then the
+        prompts are read and their requests' first decode launch speculates. Counts as a launch fed plain."""
+        bucket = self.buckets[bucket_of(max(rows, 1))]
+        if not self.settled_plain(max(rows, 1)) or bucket.since_other >= EXPLORE_EVERY:
+            return False
+        bucket.since_other += 1
+        return True
+
     def fed(self, rows: int, speculative: bool) -> None:
         """A decode launch of `rows` all-greedy requests was fed in this mode."""
         bucket = self.buckets[bucket_of(rows)]

@@ -122,11 +122,11 @@ class SpeculativeDecoding(DecodePolicy):
         expects speculation to lose on), or None."""
         if self.under_load(decodes):
             return "load"
+        if not self.gated(decodes):           # sampling batches keep speculating (a row behind drafts poorly)
+            return None
         if any(r.decode.behind for r in decodes):
             return "behind"
-        if self.gated(decodes) and not self.gate.speculate(len(decodes)):
-            return "gate"
-        return None
+        return None if self.gate.speculate(len(decodes)) else "gate"
 
     def aside(self, decodes: list[Request]) -> bool:
         """Does speculation step aside for good for these decodes: the draft does not read their plain
@@ -134,8 +134,9 @@ class SpeculativeDecoding(DecodePolicy):
         again? For a draft that cannot catch up (an EAGLE head: what it reads are the target's features of
         the step), once the gate has settled on plain decoding at their batch size (SpecGate.settled_plain),
         or once one of them is behind already. Keeping the head current costs its pass over every plain
-        step, which is what the gate's choice was to save; a bucket that stepped aside measures speculation
-        again when its requests have ended."""
+        step, which is what the gate's choice was to save. Greedy prompts that arrive while their batch size
+        is settled on plain are not read either (SpecGate.skip_prompts), except one batch in EXPLORE_EVERY:
+        its requests explore speculation. A batch with a sampling prompt in it is read."""
         if not self.falls_behind or self.plain_now not in ("gate", "behind"):
             return False
         return self.plain_now == "behind" or self.gate.settled_plain(len(decodes))
@@ -281,8 +282,11 @@ class SpeculativeDecoding(DecodePolicy):
         off = self.off_batch_size
         skip = self.catches_up and (self.plain_now is not None or 0 < off <= len(sched.running)
                                     or any(seq.req.decode.draft_end < seq.start for seq in batch.seqs))
-        batch.spec.draft_skip = skip or self.aside_now
-        if self.aside_now:
+        aside = self.falls_behind and all(seq.req.params.greedy for seq in batch.seqs) and (
+            self.aside_now or self.plain_now is None and self.gate is not None
+            and self.gate.skip_prompts(len(sched.running)))
+        batch.spec.draft_skip = skip or aside
+        if aside:
             for seq in batch.seqs:
                 seq.req.decode.behind = True
         # Requests that end with their first token (max_tokens 1, not exported) never get a decode

@@ -24,7 +24,7 @@ from engine.batch import StepOutput
 from engine.kv_pool import KVPool
 from engine.messages import GateEstimate, RankStats, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from spec.gate import EXPLORE_EVERY, LEAVE, RETURN, SpecGate, bucket_label, bucket_of
+from spec.gate import EXPLORE_EVERY, LEAVE, RECENT, RETURN, SpecGate, bucket_label, bucket_of
 from spec.policy import SpeculativeDecoding
 from tests.test_scheduler import drive, expected
 
@@ -193,22 +193,37 @@ def test_a_head_that_cannot_catch_up_steps_aside_once_the_gate_settles_on_plain(
     """An EAGLE head reads the target's features of a step or never: once the gate has settled on plain
     decoding, the head skips the plain runs (and the prompts that join them), and their requests decode
     plainly to their end whatever the gate says later; a retracted request is read again."""
-    gate = Scripted([False], settle_after=0)
+    gate = Scripted([False], settle_after=1)
     spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=gate, draft_falls_behind=True)
     sched = make(spec)
     req = prefilled(sched, "g", [1, 2, 3])
-    assert not req.decode.behind                      # no decode then: the head read the prompt
-    run = sched.schedule()
+    assert not req.decode.behind                      # not settled yet: the head read the prompt
+    read = sched.schedule()
+    assert not read.is_spec_decode and not read.spec.draft_skip and not req.decode.behind
+    sched.process(read, StepOutput(tokens=[[4, 5, 6, 7]]))
+    run = sched.schedule()                            # settled: the head skips the run
     assert not run.is_spec_decode and run.steps == 4 and run.spec.draft_skip and req.decode.behind
-    sched.process(run, StepOutput(tokens=[[5, 6, 7, 8]]))
+    sched.process(run, StepOutput(tokens=[[8, 9, 10, 11]]))
     gate.modes = [True]                               # the gate would speculate now
     sched.add("p", [7, 8, 9], GREEDY)
     mixed = sched.schedule()                          # the behind request stays plain; the prompt joins
     assert not mixed.is_spec_decode and mixed.spec.draft_skip
     assert [(s.req.rid, s.q_len) for s in mixed.seqs] == [("g", 1), ("p", 3)]
-    assert sched.requests["p"].decode.behind and spec.gate_steps == 5
+    assert sched.requests["p"].decode.behind and spec.gate_steps == 9
     spec.on_retract(req)
     assert not req.decode.behind
+
+    gate = Scripted([False], settle_after=0)          # settled before a greedy prompt arrives: not read
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=gate, draft_falls_behind=True)
+    sched = make(spec)
+    req = prefilled(sched, "g", [1, 2, 3])
+    assert req.decode.behind
+    sched.add("s", [4, 5], SamplingParams(max_new_tokens=40, temperature=0.8))
+    with_sampling = sched.schedule()                  # a sampling prompt: the batch is read
+    assert not with_sampling.spec.draft_skip and not sched.requests["s"].decode.behind
+    sched.process(with_sampling, StepOutput(tokens=[[4], [6]]))
+    drafting = sched.schedule()                       # and a batch with a sampling request speculates
+    assert drafting.is_spec_decode and drafting.chain == 3
 
     exploring = Scripted([False])                     # plain, but not settled (exploring, or not measured)
     spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=exploring, draft_falls_behind=True)
@@ -224,6 +239,18 @@ def test_a_head_that_cannot_catch_up_steps_aside_once_the_gate_settles_on_plain(
         req = prefilled(sched, "g", [1, 2, 3])
         run = sched.schedule()
         assert run.spec.draft_skip == catches_up and not req.decode.behind
+
+
+def test_prompts_go_unread_where_plain_is_settled_but_one_batch_in_explore_every():
+    gate = SpecGate()
+    for _ in range(RECENT):
+        spec_launch(gate, 4, ms_per_round=10, tokens_per_round=1.2)
+        plain_launch(gate, 4, ms_per_step=4)
+    assert not gate.speculate(4) and gate.settled_plain(4) and not gate.settled_plain(1)
+    assert not gate.skip_prompts(1) and not gate.skip_prompts(0)       # bucket 1 measured nothing
+    skipped = [gate.skip_prompts(5) for _ in range(EXPLORE_EVERY + 1)]
+    assert skipped == [True] * EXPLORE_EVERY + [False]
+    assert gate.speculate(4)                          # the prompts read explore speculation
 
 
 def test_the_fixed_rule_comes_first_and_counts_apart():
@@ -294,8 +321,10 @@ class GateDevice:
             row, length = seq.row, self.kv[seq.row]
             lag = batch.spec.draft_lag[i] if index == 0 else 0
             if batch.chain:                     # what the draft reads before drafting
-                assert row not in self.behind, "a draft drafts after skipping what it cannot catch up on"
-                assert self.draft[row] >= (length - 1 - lag if self.catches_up else length), "a stale draft"
+                assert row not in self.behind or not all(p.greedy for p in batch.sample_params), \
+                    "a greedy batch drafts after skipping what it cannot catch up on"
+                if row not in self.behind:      # (one behind, in a sampling batch, drafts from holes: poorly)
+                    assert self.draft[row] >= (length - 1 - lag if self.catches_up else length), "a stale draft"
             assert all((row, pos) in self.table for pos in range(length, length + batch.chain + 1))
             run = [next_token(self.bonus[row])]
             for _ in range(self.rng.randrange(batch.chain + 1)):
