@@ -32,7 +32,8 @@ from engine.models.testing import PagedRunner  # noqa: E402
 SWITCHES = {"wide_row_runs": ("at once", "four rows at a time"), "teams": ("in one region", "a region a loop"),
             "own_rows": ("row-wise steps each thread's own", "row-wise steps shared"),
             "isa_products": ("ISA-specific products", "portable vectors"),
-            "paired_blocks": ("two blocks a run", "one block a run")}
+            "paired_blocks": ("two blocks a run", "one block a run"),
+            "widen_once": ("weights widened once a group", "widened in registers each run")}
 
 
 @torch.inference_mode()

@@ -118,6 +118,28 @@ def test_the_isa_paths_and_the_portable_ones_agree(fmt):
         assert torch.equal(fast, portable)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+@pytest.mark.parametrize("rows", [9, 16, 40, 80])
+def test_weights_widened_once_or_run_by_run_give_the_same_sums(fmt, rows):
+    """Past 8 rows (bf16) or 64 (int8) a pass may widen a group's weights to float32 once for every run, or
+    each run may widen them as it reads (`widen_once`): the same values summed in the same order, so the
+    same outputs."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 320, generator=gen) / 18
+    dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
+    x = torch.randn(rows, 320, generator=gen).to(dtype)
+    packed, scale, _ = packed_layer(fmt, weight, None, dtype)
+    before = kernels.set_tuning(isa_products=False)            # bf16: the widened path, not the hardware's
+    try:
+        once = kernels.linear(x, packed, None, scale)
+        kernels.set_tuning(widen_once=False)
+        in_registers = kernels.linear(x, packed, None, scale)
+    finally:
+        kernels.set_tuning(**before)
+    assert torch.equal(once, in_registers)
+    assert torch.equal(in_registers[rows - 1:], kernels.linear(x[rows - 1:], packed, None, scale))
+
+
 def test_the_build_s_features_decide_the_paths():
     """What runs where is what the build was compiled for (never what the test machine has)."""
     built = kernels.build_features()

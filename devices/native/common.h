@@ -28,6 +28,7 @@ struct Tuning {
   std::atomic<bool> isa_products{true};    // the ISA-specific products (AMX, AVX512-BF16, VNNI, AVX2 int8); off: portable
   std::atomic<bool> native_products{true}; // off: float products through torch on the unpacked weight
   std::atomic<bool> paired_blocks{true};   // a run of many rows reads two column blocks at once where it can
+  std::atomic<bool> widen_once{true};      // many rows: a group's int8/bf16 weights widened once, not each run
 };
 Tuning& tuning();
 

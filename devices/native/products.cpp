@@ -80,6 +80,9 @@ constexpr int INT8_CHAINS = 2;
 // A group's blocks widened to float32 once for all the rows of a prompt chunk (the same values the pass
 // widens vector by vector, so the same sums), in a buffer of the thread's own.
 constexpr int64_t WIDEN_ROWS = 8;      // more rows than this: widen once (fewer: in registers, as read)
+// int8 widens in registers in two instructions a vector, against a buffer's write and reads: once only
+// pays for prompt-sized runs (docs/cpu-kernels.md: the tuning record's widen_once)
+constexpr int64_t WIDEN_INT8_ROWS = 64;
 
 template <typename B>
 const float* widen_group(const typename B::Elem* w, int64_t nb, int64_t k_dim) {
@@ -333,7 +336,8 @@ void product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowB
     ops.native_bf16 = w.format == Format::Bfloat16 && bf16_native();
   }
   const bool hardware = ops.tiles || ops.native_bf16;
-  ops.widen = !hardware && w.format != Format::Float32 && rows > WIDEN_ROWS;
+  const int64_t widen_past = w.format == Format::Int8 ? WIDEN_INT8_ROWS : WIDEN_ROWS;
+  ops.widen = !hardware && w.format != Format::Float32 && rows > widen_past && tuning().widen_once;
   ops.xf = hardware ? nullptr : float_rows_of(x, rows, k_dim, buffers, alone);
   blocked_product<float>(rows, w.blocks, ops);
 }
