@@ -152,7 +152,9 @@ async def test_the_step_behind_a_failure_writes_nothing_into_a_neighbours_kv(alg
     core = build_core(parse_args(["--model-path", str(DENSE), *ALGORITHMS[algorithm]]), device, eos_ids=frozenset())
     try:
         scheduler, runner = core.scheduler, core.runner
-        assert scheduler.add("neighbour", prompts[1], GREEDY) is None
+        # the neighbour must outlive the poisoned prefill: a launch of several n-gram rounds emits dozens of tokens
+        long = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+        assert scheduler.add("neighbour", prompts[1], long) is None
         neighbour = scheduler.requests["neighbour"]
         for _ in range(100):
             if len(neighbour.output_ids) >= 4:
