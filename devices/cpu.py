@@ -43,7 +43,7 @@ class CpuDevice(Device):
     def set_threads(self, threads: int) -> None:
         """Intra-op threads of the stream's work. Set in the worker thread itself, so the rank
         loop's own small torch calls keep their single thread (the model on every core of the rank
-        measured faster than a core kept for the loop: README "Performance")."""
+        measured faster than a core kept for the loop: docs/performance-history.md)."""
         self.threads = threads
 
     @property
@@ -57,7 +57,7 @@ class CpuDevice(Device):
         def timed() -> None:
             launched.started = now()
             # In the worker thread at its next launch, i.e. after the model was loaded: set before
-            # that (right at start-up) the same threads ran much slower (README "Performance").
+            # that (right at start-up) the same threads ran much slower (docs/performance-history.md).
             if self.threads and torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
             try:

@@ -22,12 +22,12 @@ SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
 # longer chain only pays for verify rows.
 DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # Batch size from which a decode step drafts nothing (0: never), from the concurrency sweeps in
-# the README: where speculation stops paying, plain steps are cheaper.
-# standalone: on a CPU its 2-layer draft pays only for one request at a time (README "Performance",
+# docs/performance-history.md: where speculation stops paying, plain steps are cheaper.
+# standalone: on a CPU its 2-layer draft pays only for one request at a time (docs/performance-history.md,
 # bench/results/standalone_off.txt); on a GPU, where a draft step is cheap next to the target, pass a
 # larger N or 0.
 # Decode steps a launch may run on the CPU when --num-scheduler-steps is not given; --max-launch-ms
-# caps what one launch takes (README "Performance": multi-step decoding against llama.cpp).
+# caps what one launch takes (docs/performance-history.md: multi-step decoding against llama.cpp).
 CPU_SCHEDULER_STEPS = 16
 DEFAULT_SPEC_OFF_BATCH_SIZE = {"eagle": 0, "eagle3": 0, "standalone": 2, "ngram": 0}
 

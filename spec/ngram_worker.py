@@ -26,7 +26,7 @@ from spec.chains import Chain, TokenHistory
 
 MATCH_LENGTHS = (3, 2, 1)      # suffix lengths tried, longest first
 # Drafts worth verifying after a match of one token: a one-token match rarely predicts more than the
-# next token or two (README "Performance": per-row chain trimming).
+# next token or two (docs/performance-history.md: per-row chain trimming).
 SINGLE_TOKEN_MATCH_DRAFTS = 3
 
 

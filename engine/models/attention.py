@@ -256,7 +256,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id:
     Gathers use index_select / index_copy_ on flattened indices: on the CPU they copy whole
     rows, several times faster than advanced indexing (the gathers dominate large batches). With
     pages, whole pages are copied: a slot-by-slot gather of requests that grew side by side reads
-    rows a batch apart, much slower than the same keys page by page (README "Performance")."""
+    rows a batch apart, much slower than the same keys page by page (docs/performance-history.md)."""
     k_cache, v_cache = batch.kv.k[layer_id], batch.kv.v[layer_id]
     k_cache.index_copy_(0, batch.write_slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, batch.write_slots, v.to(v_cache.dtype))

@@ -154,7 +154,7 @@ class InitSkipped(TorchFunctionMode):
     parameter is assigned from the checkpoint afterwards. On meta tensors torch runs those fills
     through its Python reference implementations, whose first use imports torch._dynamo and, with
     it, sympy and torch.distributed: 820 modules, about 70 MB of a rank's resident memory
-    (README "Resident memory")."""
+    (docs/performance-history.md: "Resident memory")."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
