@@ -17,14 +17,14 @@ DEFAULT_DRAFTS = {"eagle": str(REPO / "models" / "tandem-dense-eagle"),
                   "eagle3": str(REPO / "models" / "tandem-dense-eagle3"),
                   "standalone": str(REPO / "models" / "tandem-dense-draft")}
 SPEC_CHOICES = ["auto", "none", "eagle", "eagle3", "standalone", "ngram"]
-# Chain length when --speculative-num-steps is not given, from the sweep in bench/results/chain_length.txt
+# Chain length when --speculative-num-steps is not given, from the sweep in bench/results/history/chain_length.txt
 # (embedded dense model, concurrency 1 and 16). An n-gram draft costs a lookup, not a forward, so a
 # longer chain only pays for verify rows.
 DEFAULT_NUM_STEPS = {"eagle": 4, "eagle3": 3, "standalone": 3, "ngram": 7}
 # Batch size from which a decode step drafts nothing (0: never), from the concurrency sweeps in
 # docs/performance-history.md: where speculation stops paying, plain steps are cheaper.
 # standalone: on a CPU its 2-layer draft pays only for one request at a time (docs/performance-history.md,
-# bench/results/standalone_off.txt); on a GPU, where a draft step is cheap next to the target, pass a
+# bench/results/history/standalone_off.txt); on a GPU, where a draft step is cheap next to the target, pass a
 # larger N or 0.
 # Decode steps a launch may run on the CPU when --num-scheduler-steps is not given; --max-launch-ms
 # caps what one launch takes (docs/performance-history.md: multi-step decoding against llama.cpp).

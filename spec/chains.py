@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # A chain stops below this top-1 probability of the draft: on held-out text the embedded EAGLE
 # head's drafts that unlikely were accepted less than half of the time, and a chain step costs a
 # fraction of a target step, so such a draft (and the chain behind it) costs more than it brings
-# (bench/results/capped_chain.txt, eagle_trim.txt).
+# (bench/results/history/capped_chain.txt, eagle_trim.txt).
 DRAFT_CONFIDENCE = 0.1
 
 
