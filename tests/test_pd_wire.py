@@ -504,8 +504,10 @@ def folders(tmp_path):
     return made
 
 
-def fingerprint(folders, target="target", dtype="bfloat16", page=1, algo="eagle", steps=4, draft="eagle"):
-    return model_fingerprint(folders[target], dtype, page, algo, steps, folders[draft] if draft else None)
+def fingerprint(folders, target="target", dtype="bfloat16", page=1, algo="eagle", steps=4, draft="eagle",
+                quantization=None):
+    return model_fingerprint(folders[target], dtype, page, algo, steps, folders[draft] if draft else None,
+                             quantization)
 
 
 def test_same_flags_and_folders_give_the_same_fingerprint(folders):
@@ -527,8 +529,23 @@ def test_a_different_config_dtype_page_draft_or_chain_gives_a_different_fingerpr
     variants = [fingerprint(folders, target="target-copy"), fingerprint(folders, dtype="float32"),
                 fingerprint(folders, page=16), fingerprint(folders, algo="eagle3", draft="eagle3"),
                 fingerprint(folders, draft="eagle3"), fingerprint(folders, steps=3),
-                fingerprint(folders, algo="none", draft=None)]
+                fingerprint(folders, algo="none", draft=None), fingerprint(folders, quantization="int8"),
+                fingerprint(folders, quantization="int4")]
     assert base not in variants and len(set(variants)) == len(variants)
+    assert fingerprint(folders, quantization="none") == base        # "none" and no flag are the same weights
+
+
+def test_a_node_s_fingerprint_covers_its_weight_quantization():
+    """The KV a node writes depends on its weights: a prefill node serving int8 weights and a decode
+    node serving them unquantized must not pair."""
+    from types import SimpleNamespace
+
+    from engine.args import parse_args
+    from server.pd.fingerprint import node_fingerprint
+    readies = [SimpleNamespace(dtype="float32")]
+    plain = node_fingerprint(parse_args(["--speculative-algorithm", "none"]), readies)
+    int8 = node_fingerprint(parse_args(["--speculative-algorithm", "none", "--quantization", "int8"]), readies)
+    assert plain != int8 and plain == node_fingerprint(parse_args(["--speculative-algorithm", "none"]), readies)
 
 
 def test_without_speculation_the_chain_length_and_draft_do_not_count(folders):

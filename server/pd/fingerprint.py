@@ -1,8 +1,9 @@
 """What a prefill node and a decode node must serve alike, as one short digest for the handshake.
 
 KV written by one node is read by the other's attention, and the first token's draft state feeds
-the other's speculative worker: the target model, the KV dtype, the page size and the speculation
-(algorithm, chain length, draft model) must all match. Both nodes compute the fingerprint from
+the other's speculative worker: the target model, its weight quantization (the KV it writes depends
+on it), the KV dtype, the page size and the speculation (algorithm, chain length, draft model) must
+all match. Both nodes compute the fingerprint from
 their own flags and folders; the handshake compares the two.
 
 Pass resolved values: the dtype actually used ("bfloat16", not "auto") and the speculative
@@ -24,25 +25,28 @@ log = logging.getLogger("tandem.pd")
 
 
 def model_fingerprint(model_path: str, dtype_name: str, page_size: int, spec_algorithm: str | None,
-                      num_steps: int, draft_model_path: str | None) -> str:
+                      num_steps: int, draft_model_path: str | None, quantization: str | None = None) -> str:
     """A short sha256 hex digest of the canonical JSON of what both nodes must share."""
-    return _digest(fingerprint_fields(model_path, dtype_name, page_size, spec_algorithm, num_steps, draft_model_path))
+    return _digest(fingerprint_fields(model_path, dtype_name, page_size, spec_algorithm, num_steps, draft_model_path,
+                                      quantization))
 
 
 def node_fingerprint(args, readies: list) -> str:
     """The fingerprint of a node whose ranks are up (`readies`: their RankReady, which names the dtype
     they resolved), logged with what it covers."""
     identity = (args.model_path, readies[0].dtype, args.page_size, args.spec_algorithm, args.num_steps,
-                args.draft_model_path)
+                args.draft_model_path, args.quantization)
     log.info("prefill/decode: %s", describe(*identity))
     return model_fingerprint(*identity)
 
 
 def describe(model_path: str, dtype_name: str, page_size: int, spec_algorithm: str | None,
-             num_steps: int, draft_model_path: str | None) -> str:
-    """One line for the log, e.g. "LlamaForCausalLM bfloat16, page 1, eagle x4 with LlamaForCausalLMEagle"."""
-    fields = fingerprint_fields(model_path, dtype_name, page_size, spec_algorithm, num_steps, draft_model_path)
-    text = f"{fields['target']['architecture']} {fields['dtype']}, page {fields['page_size']}"
+             num_steps: int, draft_model_path: str | None, quantization: str | None = None) -> str:
+    """One line for the log, e.g. "LlamaForCausalLM bfloat16 int8, page 1, eagle x4 with LlamaForCausalLMEagle"."""
+    fields = fingerprint_fields(model_path, dtype_name, page_size, spec_algorithm, num_steps, draft_model_path,
+                                quantization)
+    weights = "" if fields["quantization"] == "none" else f" {fields['quantization']}"
+    text = f"{fields['target']['architecture']} {fields['dtype']}{weights}, page {fields['page_size']}"
     spec = fields["speculative"]
     if spec["algorithm"] != "none":
         text += f", {spec['algorithm']} x{spec['num_steps']}"
@@ -52,13 +56,14 @@ def describe(model_path: str, dtype_name: str, page_size: int, spec_algorithm: s
 
 
 def fingerprint_fields(model_path: str, dtype_name: str, page_size: int, spec_algorithm: str | None,
-                       num_steps: int, draft_model_path: str | None) -> dict:
+                       num_steps: int, draft_model_path: str | None, quantization: str | None = None) -> dict:
     """The fields the fingerprint digests (a dict of plain JSON values)."""
     algorithm = (spec_algorithm or "none").lower()
     speculating = algorithm not in NO_SPECULATION
     return {
         "target": model_identity(model_path),
         "dtype": dtype_name.removeprefix("torch."),
+        "quantization": quantization or "none",
         "page_size": page_size,
         # without speculation the chain length is meaningless: it must not keep two nodes apart
         "speculative": {"algorithm": algorithm if speculating else "none",
