@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from engine.args import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from server.pd.transport import transport
+    try:                               # the registry lives with the server: engine/args.py cannot ask it
+        transport(args.disaggregation_transfer_backend)
+    except ValueError as exc:
+        print(f"run.py: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from engine.event_loop import run_main
     from server.launch import serve

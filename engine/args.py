@@ -174,8 +174,9 @@ class ServerArgs:
     prefill_addr: tuple[str, ...] = flag((), "--role decode: HOST:PORT of a prefill node's bootstrap port (repeat "
                                              "the flag for several; prompts go to the one with the fewest tokens in "
                                              "flight).")
-    disaggregation_transfer_backend: str = flag("tcp", "How KV moves between prefill and decode nodes: tcp (asyncio "
-                                                       "sockets, the built-in backend).", ["tcp"])
+    disaggregation_transfer_backend: str = flag("tcp", "How KV moves between prefill and decode nodes, a transport "
+                                                       "registered in server/pd/transport.py: tcp (asyncio sockets, "
+                                                       "the built-in one).")
     pd_secret: str | None = flag(None, "Prefill/decode: a shared secret both nodes must prove they know (HMAC "
                                        "challenge; never sent), or @FILE / a file path holding it.")
     disaggregation_timeout: float = flag(60.0, "Prefill/decode: seconds a request may wait for its prefill node "

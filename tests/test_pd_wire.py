@@ -563,3 +563,29 @@ def test_a_missing_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="cannot read .*config.json"):
         model_fingerprint(str(tmp_path), "bfloat16", 1, "none", 0, None)
 
+
+
+# ---- transports ----------------------------------------------------------------------
+
+def test_the_transfer_backend_flag_picks_a_registered_transport(monkeypatch):
+    """--disaggregation-transfer-backend names a transport in server/pd/transport.py's registry; both
+    sides open their streams through it; an unknown name is refused before anything starts."""
+    import subprocess
+    import sys
+
+    from engine.args import parse_args
+    from server.pd import transport as transports
+    from server.pd.prefill_links import PrefillLinks
+    from server.pd.prefill_server import PrefillServer
+
+    class Recording(transports.TcpTransport):
+        name = "recording"
+    monkeypatch.setitem(transports.TRANSPORTS, "recording", Recording)
+    args = parse_args(["--role", "decode", "--prefill-addr", "127.0.0.1:1", "--disaggregation-transfer-backend",
+                       "recording"])
+    assert all(isinstance(link.transport, Recording) for link in PrefillLinks(args, None).links)
+    args = parse_args(["--role", "prefill", "--disaggregation-transfer-backend", "recording"])
+    assert isinstance(PrefillServer(args, None, None).transport, Recording)
+    refused = subprocess.run([sys.executable, "run.py", "--disaggregation-transfer-backend", "rdma-someday"],
+                             capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert refused.returncode == 2 and "choose one of tcp" in refused.stderr

@@ -17,13 +17,13 @@ from engine.args import ServerArgs
 from engine.messages import SamplingParams
 from server.pd.messages import AbortRoom, Busy, KvLayer, PrefillDone, PrefillRequest, RoomDone, RoomFailed, ToDecode
 from server.pd.rooms import PdStats
+from server.pd.transport import TcpTransport, transport
 from server.pd.wire import PdConnection, handshake
 
 log = logging.getLogger("tandem.pd")
 CONNECT_TIMEOUT_S = 5.0
 HANDSHAKE_TIMEOUT_S = 10.0
 RECONNECT_S = (0.2, 5.0)            # first and longest wait between attempts
-STREAM_LIMIT = 16 * 1024 * 1024
 
 
 class PrefillFailed(Exception):
@@ -37,8 +37,9 @@ class PrefillFailed(Exception):
 class PrefillLink:
     """One prefill node: its connection (while up) and the rooms waiting on it."""
 
-    def __init__(self, addr: str, fingerprint: str, secret: bytes | None):
+    def __init__(self, addr: str, fingerprint: str, secret: bytes | None, transport: TcpTransport | None = None):
         self.addr, self.fingerprint, self.secret = addr, fingerprint, secret
+        self.transport = transport or TcpTransport()
         host, _, port = addr.rpartition(":")
         self.host, self.port = host, int(port)
         self.conn: PdConnection | None = None
@@ -66,8 +67,7 @@ class PrefillLink:
             wait = min(wait * 2, RECONNECT_S[1])
 
     async def connect(self) -> None:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port, limit=STREAM_LIMIT), CONNECT_TIMEOUT_S)
+        reader, writer = await asyncio.wait_for(self.transport.connect(self.host, self.port), CONNECT_TIMEOUT_S)
         conn = PdConnection(reader, writer, ToDecode)
         try:
             await handshake(conn, "decode", self.fingerprint, self.secret, HANDSHAKE_TIMEOUT_S)
@@ -117,7 +117,8 @@ class PrefillLinks:
 
     def __init__(self, args: ServerArgs, secret: bytes | None):
         self.args = args
-        self.links = [PrefillLink(addr, "", secret) for addr in args.prefill_addr]
+        moves = transport(args.disaggregation_transfer_backend)
+        self.links = [PrefillLink(addr, "", secret, moves) for addr in args.prefill_addr]
         self.tasks: list[asyncio.Task] = []
         self.stats = PdStats("decode")
 

@@ -24,18 +24,19 @@ from server.pd.convert import to_pd
 from server.pd.fingerprint import node_fingerprint
 from server.pd.messages import AbortRoom, Busy, PrefillRequest, RoomDone, RoomFailed, ToPrefill
 from server.pd.rooms import PdStats
+from server.pd.transport import transport
 from server.pd.wire import PdConnection, handshake
 from server.rank_client import RankEngineClient
 
 log = logging.getLogger("tandem.pd")
 HANDSHAKE_TIMEOUT_S = 10.0
-STREAM_LIMIT = 16 * 1024 * 1024
 
 
 class PrefillServer:
     def __init__(self, args: ServerArgs, engine: RankEngineClient, secret: bytes | None):
         self.args, self.engine = args, engine
         self.fingerprint, self.secret = "", secret
+        self.transport = transport(args.disaggregation_transfer_backend)
         self.stats = PdStats("prefill")
         self.server: asyncio.AbstractServer | None = None
         self.peers: set[asyncio.Task] = set()
@@ -43,8 +44,7 @@ class PrefillServer:
     async def start(self, readies: list) -> None:
         """Serve decode nodes, once the ranks (`readies`) are up: the fingerprint needs their dtype."""
         self.fingerprint = node_fingerprint(self.args, readies)
-        self.server = await asyncio.start_server(self.serve, self.args.host, self.args.disaggregation_bootstrap_port,
-                                                 limit=STREAM_LIMIT)
+        self.server = await self.transport.serve(self.serve, self.args.host, self.args.disaggregation_bootstrap_port)
 
     async def close(self) -> None:
         if self.server is not None:

@@ -1,0 +1,36 @@
+"""How bytes move between a prefill node and a decode node (--disaggregation-transfer-backend).
+
+A transport opens the decode side's stream to a prefill node and serves the prefill side's port;
+both ends then speak server/pd/wire.py's frames over it. `tcp` (asyncio sockets) is the one built in;
+an RDMA engine (Mooncake, NIXL) would register here and move the KV pages itself, leaving the control
+frames to the stream.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+STREAM_LIMIT = 16 * 1024 * 1024   # asyncio's per-stream buffer
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class TcpTransport:
+    name = "tcp"
+
+    async def connect(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(host, port, limit=STREAM_LIMIT)
+
+    async def serve(self, handler: Handler, host: str, port: int) -> asyncio.AbstractServer:
+        return await asyncio.start_server(handler, host, port, limit=STREAM_LIMIT)
+
+
+TRANSPORTS: dict[str, type] = {"tcp": TcpTransport}
+
+
+def transport(name: str):
+    """The transport registered as `name` (the flag's choices are the registry's names)."""
+    try:
+        return TRANSPORTS[name]()
+    except KeyError:
+        raise ValueError(f"disaggregation transfer backend {name!r}: choose one of {', '.join(TRANSPORTS)}") from None
