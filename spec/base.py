@@ -262,7 +262,7 @@ def draft_quantization(args: "ServerArgs", target: Target) -> str | None:
     """--speculative-draft-quantization resolved. auto: a draft step reads the head's weights for a few
     rows, so fewer bytes a weight pay wherever the native kernels run it: w8a8_int8 where they take its
     integer sums in hardware, else weight-only int8; without the kernels, as --quantization (docs/
-    performance.md has the side-by-side figures)."""
+    performance-history.md has the side-by-side figures)."""
     choice = args.speculative_draft_quantization
     if choice == "auto":
         kernels = getattr(target.model, "kernels", None)

@@ -202,9 +202,8 @@ class SpeculativeDecoding(DecodePolicy):
         can use (each round emits at least one token), never a position past the context, and no
         more than the request likely to end first is likely to use (rounds_likely): a row whose
         request ended costs a round as much as a live one (all k+1 positions are verified), so the
-        launch ends where its first request likely does and the next launch goes without it.
-        Measured side by side at concurrency 16 (n-gram, f32): 1,023 output tok/s against 867 when
-        a launch ran the rounds its longest request likely uses."""
+        launch ends where its first request likely does and the next launch goes without it
+        (docs/performance-history.md: "A speculative launch ends where its first request likely ends")."""
         if self.rounds < 2 or chain == 0:
             return 1
         room = min(sched.config.context_length - req.kv_len for req in decodes) // (chain + 1)
