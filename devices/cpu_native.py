@@ -160,18 +160,11 @@ def auto_cpu_dtype(choice: str = "auto", quantization: str | None = None):
 
 
 def packed_formats(model) -> list[str]:
-    """The formats of the model's packed weights (engine/models: NativeLinear, the quantized linears)."""
-    from engine.models.layers import NativeLinear
-    from engine.models.quant import QuantizedLinear
-
+    """The formats of the model's packed weights: what each module that runs a native product says of
+    itself (`packed_format`: NativeLinear, the quantized linears), in order, once each."""
     found = []
     for module in model.modules():
-        name = None
-        if isinstance(module, QuantizedLinear) and module.kernels is not None:
-            name = module.method
-        elif isinstance(module, NativeLinear) and module.kernels is not None:
-            weight = module.native_weight
-            name = str(weight.dtype).removeprefix("torch.") if module.kernels.is_packed(weight) else None
+        name = module.packed_format() if hasattr(module, "packed_format") else None
         if name is not None and name not in found:
             found.append(name)
     return found

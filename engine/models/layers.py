@@ -99,6 +99,13 @@ class NativeLinear(nn.Linear):
         itself (a shape the kernels do not pack)."""
         return self.kernels.pack_float(self.weight) if self.kernels is not None else self.weight
 
+    def packed_format(self) -> str | None:
+        """The native format its product runs in ("float32", "bfloat16"), None where torch's runs it
+        (devices/cpu_native.py packed_formats asks every module)."""
+        if self.kernels is None or not self.kernels.is_packed(self.native_weight):
+            return None
+        return str(self.native_weight.dtype).removeprefix("torch.")
+
     @functools.cached_property
     def native_bias(self) -> torch.Tensor | None:
         """The bias padded as native_weight's outputs are."""

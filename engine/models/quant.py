@@ -169,6 +169,10 @@ class QuantizedLinear(nn.Module):
         """The bias as the kernels' product adds it (one value per packed output)."""
         return self.bias
 
+    def packed_format(self) -> str | None:
+        """Its quantization method where the native kernels run it, else None (the reference in torch)."""
+        return self.method if self.kernels is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             y = self.kernels.linear(x, self.packed, self.kernel_bias(), self.scale)
