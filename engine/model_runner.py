@@ -227,7 +227,8 @@ class ModelRunner:
         groups = inp.groups and [(put(seqs), max_q, max_k) for seqs, max_q, max_k in inp.groups]
         attn = build_attention_batch(put(inp.q_lens), put(inp.kv_lens), put(inp.rows), self.req_to_slot,
                                      inp.max_q, inp.max_kv, self.kv, groups=groups)
-        out = self.model(input_ids, attn, capture_aux=self.worker is not None and self.worker.needs_aux)
+        out = self.model(input_ids, attn, capture_aux=self.worker is not None and self.worker.needs_aux
+                         and not self.unread(inp))
         if inp.sample_rows.numel() == 0:
             if self.drafts_prompt(inp):
                 self.worker.after_prefill(inp, input_ids, attn, out, input_ids[:0])

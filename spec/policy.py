@@ -330,7 +330,7 @@ class SpeculativeDecoding(DecodePolicy):
         if self.gate is not None and not batch.spec.draft_skip and all(params.greedy for params in batch.sample_params):
             tokens = sum(len(run) for run in output.tokens) if speculative and output else 0
             if tokens or not speculative:
-                self.gate.observe(rows, speculative, max(seconds, cycle or 0.0), rounds, tokens)
+                self.gate.observe(rows, speculative, cycle or seconds, rounds, tokens)    # a cycle holds its span
 
     def on_retract(self, req: Request) -> None:
         req.decode.draft_lag = req.decode.draft_end = 0

@@ -98,15 +98,14 @@ void in_team(const F& f) {
   if (error) std::rethrow_exception(error);
 }
 
-// f(std::integral_constant<int, n>) for n = 1..4: block and row counts as template arguments.
-template <typename F>
+// f(std::integral_constant<int, n>) for n = 1..MAX (any other n: 1): block and row counts as template
+// arguments, so that the loops over them unroll and their sums stay in registers.
+template <int MAX, typename F>
 void with_count(int64_t n, const F& f) {
-  switch (n) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{});
-  }
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    const bool matched = ((n == I + 1 && (f(std::integral_constant<int, I + 1>{}), true)) || ...);
+    if (!matched) f(std::integral_constant<int, 1>{});
+  }(std::make_integer_sequence<int, MAX>{});
 }
 
 // At most this many rows, each thread of a team runs the row-wise steps (norms, the residual adds, SwiGLU,

@@ -104,7 +104,7 @@ void blocked_product(int64_t rows, int64_t n_blocks, const Ops& shared_ops) {
       for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
         const int64_t m = std::min(TILE_ROWS, rows - m0);
         if (m != configured) ops.setup(m), configured = m;
-        with_count(nb, [&](auto blocks) { ops.pass(blocks, m0, m, first, c); });
+        with_count<TILE_GROUP>(nb, [&](auto blocks) { ops.pass(blocks, m0, m, first, c); });
         ops.store(m0, m, first, nb, c);
       }
     }
@@ -131,28 +131,13 @@ constexpr int run_limit(int blocks, int chains) {
 }
 constexpr int MAX_RUN = run_limit(1, 1);
 
-// f(std::integral_constant<int, n>) for n = 1..8.
-template <typename F>
-void with_rows(int64_t n, const F& f) {
-  switch (n) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{});
-  }
-}
-
 // run(R, r) over the rows [0, m) of a pass in runs of at most MAX_R rows (at most 4 with the tuning's
 // wide_row_runs off, for benchmarks), R a template constant; a row's sums are the same in any run.
 template <int MAX_R, typename Run>
 void in_row_runs(int64_t m, const Run& run) {
   const int64_t most = tuning().wide_row_runs ? MAX_R : std::min(MAX_R, 4);
   for (int64_t r = 0; r < m; r += most)
-    with_rows(std::min(most, m - r), [&](auto rows) {
+    with_count<8>(std::min(most, m - r), [&](auto rows) {
       if constexpr (decltype(rows)::value <= MAX_R) run(rows, r);
     });
 }
