@@ -34,6 +34,8 @@ class SpecPlan:
     draft_next: list[int] = field(default_factory=list)   # prefill: the token after each chunk (-1: sampled)
     draft_skip: bool = False    # prefill: the draft model does not read these chunks (under load)
     no_decode: bool = False     # prefill: no request of it decodes here (each ends with its first token)
+    gate_rows: int = 0          # greedy decodes the gate chose this launch's mode for: in it, or (a prefill
+                                # batch) waiting for it; 0: the gate learns nothing from it (spec/gate.py)
 
 
 @dataclass

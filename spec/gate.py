@@ -2,45 +2,49 @@
 launches where speculation is expected to lose. Pure Python: plain numbers in, a decision out
 (spec/policy.py asks it; the rank's core feeds it what its device reported).
 
-Per bucket of batch sizes (1, 2-3, 4-7, 8-15, 16-31, 32+ decoding requests) it keeps what
-all-greedy decode launches of that size measured, per request of the batch (a row):
+Per bucket of batch sizes (1, 2-3, 4-7, 8-15, 16-31, 32+ decoding requests) it keeps, per mode,
+the last WINDOW launches charged to that mode, each as seconds and tokens per request (a row):
 
-  speculative rounds   seconds per row and round; tokens a row emits per round (its accepted
-                       drafts + 1)
-  plain steps          seconds per row and step (each emits one token)
+  speculative   its decode launches (the tokens each row emitted: accepted drafts + 1 a round), and
+                the prefill launches its decodes waited for (no tokens): speculative decodes cannot
+                share a batch with prompt chunks, so every arrival costs them a launch of their own
+  plain         its decode launches (one token a row and step), prompt chunks beside them included:
+                what plain decoding does with an arrival is fold it into a decode step
 
 Seconds are a launch's cycle (engine/core.py): from the end of the launch before it on the device to
 its own end, so that time the device waited for the loop to prepare a launch counts against its mode
-(a speculative round asks more of the loop than a plain step).
+(a speculative round asks more of the loop than a plain step), and so does work deferred to it (an
+EAGLE head reads a prompt in the launch after the prompt's).
 
-Expected decode rate of a request: speculative = tokens per round / seconds per round, plain =
-1 / seconds per step. A bucket that speculates turns plain once the ratio speculative / plain
-falls below LEAVE, and speculates again once it rises above RETURN: between the two a bucket keeps
-its mode, so noise in the estimates does not flip it launch after launch.
+Expected decode rate of a request in a mode: its window's tokens over its seconds, each launch's
+seconds clipped to CLIP times the window's lower median (a pause on a busy machine does not move
+it). A bucket that speculates turns plain once the ratio speculative / plain falls below LEAVE,
+and speculates again once it rises above RETURN: between the two a bucket keeps its mode, so noise
+in the estimates does not flip it launch after launch.
 
-The mode not chosen still runs one launch in EXPLORE_EVERY of the bucket's, so that a change in
-acceptance (text that drafts better) or in cost (longer contexts, more load) is noticed; a bucket
-with no estimate of a mode tries it (speculation first). A launch counts once it is fed: a plain
-launch planned while a drafting step is in flight is a chain-0 step first (spec/policy.py), and
-the exploration waits for the launch it wanted.
+A bucket first measures each mode over WARM decode launches (speculation first); then the mode not
+chosen still runs one launch in EXPLORE_EVERY of the bucket's, so that a change in acceptance (text
+that drafts better) or in cost (longer contexts, more load) is noticed. A launch counts once it is
+fed: a plain launch planned while a drafting step is in flight is a chain-0 step first
+(spec/policy.py), and the exploration waits for the launch it wanted.
 
-Estimates: seconds are the lower median of the bucket's last RECENT launches of that mode (a
-pause on a busy machine does not move them), tokens per round a moving average (ACCEPT_WEIGHT
-per launch). The gate decides for all-greedy batches only: which steps speculate changes the
-tokens a sampling request draws, and a run with the same requests must draw the same tokens.
+The gate decides for all-greedy batches only: which steps speculate changes the tokens a sampling
+request draws, and a run with the same requests must draw the same tokens.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median_low
+from typing import NamedTuple
 
 BUCKETS = (1, 2, 4, 8, 16, 32)     # lower bounds of the batch-size buckets
 LEAVE = 0.98            # speculate -> plain below this ratio of expected rates (speculation loses)
 RETURN = 1.05           # plain -> speculate above it (speculation wins by a margin)
 EXPLORE_EVERY = 16      # one launch in this many of a bucket runs the mode it did not choose
-RECENT = 5              # seconds: the lower median of a mode's last RECENT launches
-ACCEPT_WEIGHT = 0.25    # tokens per round: a launch's weight in the moving average
+WINDOW = 12             # launches a mode's estimate spans
+CLIP = 4.0              # a launch counts no more seconds than this many times its window's lower median
+WARM = 2                # decode launches each mode is measured over before the gate chooses
 
 
 def bucket_of(rows: int) -> int:
@@ -56,23 +60,42 @@ def bucket_label(index: int) -> str:
     return str(low) if high == low else f"{low}-{high}"
 
 
+class Charge(NamedTuple):
+    """One launch charged to a mode, per row: its cycle, and the tokens it emitted (0: a wait)."""
+    seconds: float
+    tokens: float
+
+
+def rate(window: deque[Charge]) -> float | None:
+    """Tokens per second of a request over the window (None: no decode launch in it)."""
+    if not any(charge.tokens for charge in window):
+        return None
+    limit = CLIP * median_low(charge.seconds for charge in window)
+    return sum(charge.tokens for charge in window) / sum(min(charge.seconds, limit) for charge in window)
+
+
 @dataclass
 class Bucket:
     """What one bucket measured and decided."""
-    spec_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))   # per row and round
-    plain_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # per row and step
-    tokens_per_round: float = 0.0        # per row; 0: no speculative round measured yet
+    spec: deque[Charge] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    plain: deque[Charge] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    spec_launches: int = 0               # decode launches measured in each mode (up to WARM)
+    plain_launches: int = 0
     speculating: bool = True             # the mode chosen (exploration aside)
     since_other: int = 0                 # launches fed in the chosen mode since the other one ran
 
     def spec_rate(self) -> float | None:
         """Expected tokens per second of a request while speculating (None: not measured)."""
-        if not self.spec_seconds or not self.tokens_per_round:
-            return None
-        return self.tokens_per_round / median_low(self.spec_seconds)
+        return rate(self.spec)
 
     def plain_rate(self) -> float | None:
-        return 1.0 / median_low(self.plain_seconds) if self.plain_seconds else None
+        return rate(self.plain)
+
+    def warming(self) -> bool | None:
+        """The mode to measure before choosing (speculation first), or None: both are measured."""
+        if self.spec_launches < WARM:
+            return True
+        return False if self.plain_launches < WARM else None
 
 
 @dataclass(frozen=True)
@@ -92,9 +115,10 @@ class SpecGate:
     def speculate(self, rows: int) -> bool:
         """Should the next decode launch of `rows` all-greedy requests speculate?"""
         bucket = self.buckets[bucket_of(rows)]
+        warming = bucket.warming()
+        if warming is not None:
+            return warming
         spec, plain = bucket.spec_rate(), bucket.plain_rate()
-        if spec is None or plain is None:
-            return spec is None                 # measure what is not measured yet, speculation first
         if bucket.speculating and spec < LEAVE * plain or not bucket.speculating and spec > RETURN * plain:
             bucket.speculating, bucket.since_other = not bucket.speculating, 0
         if bucket.since_other >= EXPLORE_EVERY:
@@ -105,7 +129,7 @@ class SpecGate:
         """Has the bucket of `rows` chosen plain decoding on both modes' measurements (not merely not
         measured speculation yet, nor exploring plain steps from a speculating bucket)?"""
         bucket = self.buckets[bucket_of(rows)]
-        return not bucket.speculating and bucket.spec_rate() is not None and bucket.plain_rate() is not None
+        return not bucket.speculating and bucket.warming() is None
 
     def skip_prompts(self, rows: int) -> bool:
         """Greedy prompts arrive while `rows` requests run: may the draft skip them (their requests will
@@ -127,24 +151,27 @@ class SpecGate:
             bucket.since_other = 0
 
     def observe(self, rows: int, speculative: bool, seconds: float, steps: int, tokens: int = 0) -> None:
-        """A decode launch of `rows` all-greedy requests ran `steps` steps (rounds) in `seconds` of
-        device time; speculative: its rows emitted `tokens` in all."""
+        """A decode launch of `rows` all-greedy requests ran `steps` steps (rounds) in a cycle of
+        `seconds`; speculative: its rows emitted `tokens` in all (plain: one a row and step)."""
         if rows < 1 or steps < 1 or seconds <= 0:
             return
         bucket = self.buckets[bucket_of(rows)]
-        per_row = seconds / (steps * rows)
-        if not speculative:
-            bucket.plain_seconds.append(per_row)
-            return
-        bucket.spec_seconds.append(per_row)
-        per_round = tokens / (steps * rows)
-        old = bucket.tokens_per_round
-        bucket.tokens_per_round = per_round if not old else old + ACCEPT_WEIGHT * (per_round - old)
+        if speculative:
+            bucket.spec.append(Charge(seconds / rows, tokens / rows))
+            bucket.spec_launches = min(WARM, bucket.spec_launches + 1)
+        else:
+            bucket.plain.append(Charge(seconds / rows, float(steps)))
+            bucket.plain_launches = min(WARM, bucket.plain_launches + 1)
+
+    def waited(self, rows: int, seconds: float) -> None:
+        """`rows` speculating all-greedy requests waited a cycle of `seconds` for a prefill launch."""
+        if rows >= 1 and seconds > 0:
+            self.buckets[bucket_of(rows)].spec.append(Charge(seconds / rows, 0.0))
 
     def estimates(self) -> list[Estimate]:
         """Every bucket that measured something."""
         return [Estimate(bucket_label(i), b.spec_rate() or 0.0, b.plain_rate() or 0.0, b.speculating)
-                for i, b in enumerate(self.buckets) if b.spec_seconds or b.plain_seconds]
+                for i, b in enumerate(self.buckets) if b.spec or b.plain]
 
     @staticmethod
     def describe() -> str:
@@ -152,4 +179,5 @@ class SpecGate:
         labels = ", ".join(bucket_label(i) for i in range(len(BUCKETS)))
         return (f"adaptive: per batch size ({labels} requests), greedy batches decode plainly where "
                 f"speculation is expected to lose (below {LEAVE:g}x plain's rate, back above {RETURN:g}x), "
-                f"each mode measured as it serves, the other tried one launch in {EXPLORE_EVERY}")
+                f"each mode measured as it serves (speculation charged the prefill launches its decodes wait "
+                f"for), the other tried one launch in {EXPLORE_EVERY}")

@@ -86,6 +86,7 @@ class SpeculativeDecoding(DecodePolicy):
         self.gate_steps = 0                     # decode steps without speculation (the gate's choice)
         self.plain_now: str | None = None       # why this step's decodes go plain: "load", "gate", "behind", or None
         self.aside_now = False                  # this step's batch is not read by the draft: its requests fall behind
+        self.held = 0                           # greedy speculating decodes waiting for this step's prompts
 
     @property
     def k(self) -> int:
@@ -106,7 +107,9 @@ class SpeculativeDecoding(DecodePolicy):
         wanting = self.wanting(sched, decodes)
         self.plain_now = self.plain_reason(wanting)
         self.aside_now = self.aside(wanting)
-        return not sched.prefill_ready() or self.plain_now is not None
+        now = not sched.prefill_ready() or self.plain_now is not None
+        self.held = len(wanting) if not now and self.gated(wanting) else 0
+        return now
 
     def wanting(self, sched: "Scheduler", decodes: list[Request]) -> list[Request]:
         """The decodes that can still emit a token (the rest finish with a step in flight)."""
@@ -159,6 +162,7 @@ class SpeculativeDecoding(DecodePolicy):
         batch.steps = self.batch_rounds(sched, decodes, batch.chain, most_wanted)
         if batch.chain and self.gated(decodes):
             self.gate.fed(len(decodes), speculative=True)
+            batch.spec.gate_rows = len(decodes)
         for req in decodes:
             self.feed_spec(sched, batch, req)
         return True
@@ -170,6 +174,9 @@ class SpeculativeDecoding(DecodePolicy):
         self.count_plain(steps)
         if self.plain_now == "gate":
             self.gate.fed(len(decodes), speculative=False)
+            # a run the draft does not read (`aside`) costs less than the plain steps the gate compares
+            # with speculation, which keep the draft current
+            batch.spec.gate_rows = 0 if self.aside_now else len(decodes)
         if steps == 1:
             for req in decodes:
                 self.feed_plain(sched, batch, req)                   # prompt chunks may join
@@ -285,6 +292,8 @@ class SpeculativeDecoding(DecodePolicy):
             self.aside_now or self.plain_now is None and self.gate is not None
             and self.gate.skip_prompts(len(sched.running)))
         batch.spec.draft_skip = skip or aside
+        if self.held:                        # speculative decodes wait for this batch: a cost of speculating
+            batch.spec.gate_rows, self.held = self.held, 0
         if aside:
             for seq in batch.seqs:
                 seq.req.decode.behind = True
@@ -318,19 +327,25 @@ class SpeculativeDecoding(DecodePolicy):
 
     def observe_launch(self, batch: ScheduledBatch, seconds: float, rounds: int,
                        output: StepOutput | None = None, cycle: float | None = None) -> None:
-        """Speculative launches and plain runs teach the launch budget their size's time; all-greedy
-        ones teach the gate too (a batch with prompt chunks in it measures neither)."""
+        """Speculative launches and plain runs teach the launch budget their size's time; the gate
+        learns from the launches it chose a mode for (SpecPlan.gate_rows), by their cycle."""
         speculative = batch.is_spec_decode and batch.chain > 0
         plain = not batch.is_spec_decode and bool(batch.seqs) and all(seq.decode for seq in batch.seqs)
-        if not speculative and not plain:
-            return                   # a prefill batch, or a chain-0 step (a one-off on the way to plain steps)
-        rows = len(batch.seqs)
-        self.budget.observe(rows, batch.chain, rounds, seconds)
-        # a plain run the draft did not read (`aside`) costs less than the gate's plain steps, which keep it current
-        if self.gate is not None and not batch.spec.draft_skip and all(params.greedy for params in batch.sample_params):
-            tokens = sum(len(run) for run in output.tokens) if speculative and output else 0
-            if tokens or not speculative:
-                self.gate.observe(rows, speculative, cycle or seconds, rounds, tokens)    # a cycle holds its span
+        if speculative or plain:
+            self.budget.observe(len(batch.seqs), batch.chain, rounds, seconds)
+        rows, cycle = batch.spec.gate_rows, cycle or seconds     # a cycle holds its span
+        if self.gate is None or not rows:
+            return
+        if speculative:
+            tokens = sum(len(run) for run in output.tokens) if output else 0
+            if tokens:
+                self.gate.observe(rows, True, cycle, rounds, tokens)
+        elif batch.is_spec_decode:
+            return                       # a chain-0 step: a one-off on the way to plain steps
+        elif any(seq.decode for seq in batch.seqs):
+            self.gate.observe(rows, False, cycle, rounds)      # prompt chunks beside them included
+        else:
+            self.gate.waited(rows, cycle)
 
     def on_retract(self, req: Request) -> None:
         req.decode.draft_lag = req.decode.draft_end = 0

@@ -24,7 +24,7 @@ from engine.batch import StepOutput
 from engine.kv_pool import KVPool
 from engine.messages import GateEstimate, RankStats, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from spec.gate import EXPLORE_EVERY, LEAVE, RECENT, RETURN, SpecGate, bucket_label, bucket_of
+from spec.gate import EXPLORE_EVERY, LEAVE, RETURN, WARM, WINDOW, SpecGate, bucket_label, bucket_of
 from spec.policy import SpeculativeDecoding
 from tests.test_scheduler import drive, expected
 
@@ -55,12 +55,14 @@ def test_buckets_are_powers_of_two():
     assert [bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 500)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
 
-def test_speculation_is_measured_first_then_plain_then_the_faster_wins():
+def test_each_mode_is_measured_first_speculation_first_then_the_faster_wins():
     gate = SpecGate()
-    assert gate.speculate(1)                         # nothing measured: speculation first
-    spec_launch(gate, 1, ms_per_round=2.5, tokens_per_round=2.0)        # 800 tok/s
-    assert not gate.speculate(1)                     # plain not measured yet: try it
-    plain_launch(gate, 1, ms_per_step=1.0)           # 1000 tok/s: speculation loses
+    for _ in range(WARM):
+        assert gate.speculate(1)                     # nothing measured: speculation first
+        spec_launch(gate, 1, ms_per_round=2.5, tokens_per_round=2.0)    # 800 tok/s
+    for _ in range(WARM):
+        assert not gate.speculate(1)                 # then plain, to measure it
+        plain_launch(gate, 1, ms_per_step=1.0)       # 1000 tok/s: speculation loses
     assert not gate.speculate(1) and not gate.speculate(1)
     assert gate.speculate(4)                         # another bucket measures for itself
     [estimate] = gate.estimates()
@@ -68,54 +70,73 @@ def test_speculation_is_measured_first_then_plain_then_the_faster_wins():
     assert estimate.spec_tokens_per_s == pytest.approx(800) and estimate.plain_tokens_per_s == pytest.approx(1000)
 
 
+def warm(gate: SpecGate, rows: int, spec_ms: float, tokens_per_round: float, plain_ms: float) -> None:
+    for _ in range(WARM):
+        spec_launch(gate, rows, ms_per_round=spec_ms, tokens_per_round=tokens_per_round)
+        plain_launch(gate, rows, ms_per_step=plain_ms)
+
+
 def test_speculation_stays_where_it_pays():
     gate = SpecGate()
-    spec_launch(gate, 16, ms_per_round=2.0, tokens_per_round=3.0)       # 1500 tok/s per request
-    assert feed(gate, 16, 1) == [False]              # plain, to measure it
-    plain_launch(gate, 16, ms_per_step=1.0)
+    warm(gate, 16, spec_ms=2.0, tokens_per_round=3.0, plain_ms=1.0)     # 1500 against 1000 tok/s per request
     assert feed(gate, 16, EXPLORE_EVERY) == [True] * EXPLORE_EVERY
     assert gate.speculate(16) is False               # then one plain launch, to keep measuring
 
 
+def test_the_prefill_launches_speculative_decodes_wait_for_count_against_speculation():
+    """Speculative decodes cannot share a launch with prompt chunks: under a stream of arrivals each
+    arrival costs them a launch in which they emit nothing (plain decodes fold it into a step)."""
+    gate = SpecGate()
+    warm(gate, 16, spec_ms=2.0, tokens_per_round=3.0, plain_ms=1.0)     # decode launches alone: speculation wins
+    bucket = gate.buckets[bucket_of(16)]
+    assert gate.speculate(16) and bucket.spec_rate() == pytest.approx(1.5 * bucket.plain_rate())
+    for _ in range(WINDOW // 2):                     # a prefill launch as long as a decode launch before each
+        gate.waited(16, 8e-3)
+        spec_launch(gate, 16, ms_per_round=2.0, tokens_per_round=3.0)
+    assert bucket.spec_rate() == pytest.approx(0.75 * bucket.plain_rate())
+    assert not gate.speculate(16)
+    gate.waited(0, 1.0)                              # nobody waited: nothing charged
+    assert gate.buckets[0].spec_rate() is None and not gate.buckets[0].spec
+
+
 def test_hysteresis_keeps_the_mode_between_the_two_thresholds():
     gate = SpecGate()
-    spec_launch(gate, 1, ms_per_round=1.0, tokens_per_round=1.0)
-    plain_launch(gate, 1, ms_per_step=LEAVE + 0.01)        # speculation just above LEAVE: it stays
+    warm(gate, 1, spec_ms=1.0, tokens_per_round=1.0, plain_ms=LEAVE + 0.01)    # speculation just above LEAVE
     assert gate.speculate(1)
-    for _ in range(5):                                              # the median moves: now below LEAVE
+    for _ in range(WINDOW):                          # the window moves: now below LEAVE
         plain_launch(gate, 1, ms_per_step=LEAVE - 0.01)
     assert not gate.speculate(1)
-    for _ in range(5):                                              # back to even: plain stays
+    for _ in range(WINDOW):                          # back to even: plain stays
         plain_launch(gate, 1, ms_per_step=1.0)
     assert not gate.speculate(1)
-    for _ in range(5):                                              # above RETURN: speculation again
+    for _ in range(WINDOW):                          # above RETURN: speculation again
         plain_launch(gate, 1, ms_per_step=RETURN + 0.01)
     assert gate.speculate(1)
 
 
 def test_one_slow_launch_does_not_flip_a_bucket():
     gate = SpecGate()
-    spec_launch(gate, 2, ms_per_round=2.0, tokens_per_round=3.0)
+    warm(gate, 2, spec_ms=2.0, tokens_per_round=3.0, plain_ms=1.0)
     for _ in range(4):
-        plain_launch(gate, 2, ms_per_step=1.0)
+        spec_launch(gate, 2, ms_per_round=2.0, tokens_per_round=3.0)
     assert gate.speculate(2)
-    spec_launch(gate, 2, ms_per_round=50.0, tokens_per_round=3.0)       # a pause on a busy machine
+    spec_launch(gate, 2, ms_per_round=200.0, tokens_per_round=3.0)      # a pause on a busy machine
     assert gate.speculate(2)
+    assert gate.buckets[bucket_of(2)].spec_rate() > 1000 * RETURN
 
 
 def test_plain_explores_speculation_and_a_rise_in_acceptance_turns_it_back_on():
     gate = SpecGate()
-    spec_launch(gate, 1, ms_per_round=3.0, tokens_per_round=1.5)        # 500 tok/s
-    plain_launch(gate, 1, ms_per_step=1.0)                              # 1000 tok/s
+    warm(gate, 1, spec_ms=3.0, tokens_per_round=1.5, plain_ms=1.0)      # 500 against 1000 tok/s
     assert feed(gate, 1, EXPLORE_EVERY) == [False] * EXPLORE_EVERY
     assert gate.speculate(1) and gate.speculate(1)   # exploring: until a speculative launch is fed
     gate.fed(1, True)
     assert gate.explorations == 1 and feed(gate, 1, 1) == [False]
     launches = 0                                     # the text drafts well now: 5 tokens a round
-    while not gate.speculate(1) and launches < 12:
+    while not gate.speculate(1) and launches < WINDOW:
         spec_launch(gate, 1, ms_per_round=3.0, tokens_per_round=5.0)
         launches += 1
-    assert gate.speculate(1) and 1 < launches < 12   # a moving average: not on one launch, but soon
+    assert gate.speculate(1) and 1 < launches < WINDOW   # over a window: not on one launch, but soon
 
 
 # ---- the policy on plain data ---------------------------------------------------------------
@@ -189,6 +210,54 @@ def test_plain_decodes_join_a_waiting_prompt_and_sampling_batches_keep_speculati
     assert with_sampling.is_spec_decode and with_sampling.chain == 3 and spec.gate_steps == 2
 
 
+class Charged(Scripted):
+    """A scripted gate that records what it is charged."""
+
+    def __init__(self, modes: list[bool]):
+        super().__init__(modes)
+        self.charges: list[tuple] = []
+
+    def observe(self, rows, speculative, seconds, steps, tokens=0):
+        self.charges.append(("spec" if speculative else "plain", rows, seconds, steps, tokens))
+
+    def waited(self, rows, seconds):
+        self.charges.append(("waited", rows, seconds))
+
+
+def test_the_gate_is_charged_each_launch_of_its_mode_prompts_included():
+    """Speculative decodes charged the prefill launches they wait for; plain decodes their launch with
+    prompt chunks beside them; a sampling batch, a prefill with nobody waiting, a chain-0 step: nothing."""
+    gate = Charged([True])
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=1, gate=gate)
+    sched = make(spec)
+    prefilled(sched, "a", [1, 2, 3])
+    prefilled(sched, "b", [4, 5, 6])                 # "a" waited for it (the gate's first launch not fed yet)
+    drafting = sched.schedule()
+    assert drafting.is_spec_decode and drafting.spec.gate_rows == 2
+    spec.observe_launch(drafting, 0.01, 1, StepOutput(tokens=[[7, 8], [9]]), cycle=0.02)
+    sched.process(drafting, StepOutput(tokens=[[7, 8], [9]]))
+    sched.add("c", [1, 2], GREEDY)
+    waiting = sched.schedule()                       # speculative decodes cannot join a prompt: they wait
+    assert [s.req.rid for s in waiting.seqs] == ["c"] and waiting.spec.gate_rows == 2
+    spec.observe_launch(waiting, 0.004, 1, StepOutput(tokens=[[3]]), cycle=0.005)
+    sched.process(waiting, StepOutput(tokens=[[3]]))
+    gate.modes = [False]
+    sched.add("d", [1, 2, 3, 4], GREEDY)
+    mixed = sched.schedule()                         # plain decodes fold the prompt into their step
+    assert [s.req.rid for s in mixed.seqs] == ["a", "b", "c", "d"] and mixed.spec.gate_rows == 3
+    spec.observe_launch(mixed, 0.006, 1, StepOutput(tokens=[[1], [1], [1], [1]]), cycle=0.007)
+    assert gate.charges == [("spec", 2, 0.02, 1, 3), ("waited", 2, 0.005), ("plain", 3, 0.007, 1, 0)]
+    sched.process(mixed, StepOutput(tokens=[[1], [1], [1], [1]]))
+    sched.add("s", [1, 2], SamplingParams(max_new_tokens=40, temperature=0.8))
+    gate.modes = [True]
+    sampling_prompt = sched.schedule()               # four greedy decodes wait for it
+    assert sampling_prompt.spec.gate_rows == 4
+    sched.process(sampling_prompt, StepOutput(tokens=[[3]]))
+    sched.add("e", [1, 2], GREEDY)
+    with_sampling = sched.schedule()                 # a sampling decode among those waiting: not gated
+    assert [s.req.rid for s in with_sampling.seqs] == ["e"] and with_sampling.spec.gate_rows == 0
+
+
 def test_a_head_that_cannot_catch_up_steps_aside_once_the_gate_settles_on_plain():
     """An EAGLE head reads the target's features of a step or never: once the gate has settled on plain
     decoding, the head skips the plain runs (and the prompts that join them), and their requests decode
@@ -243,9 +312,7 @@ def test_a_head_that_cannot_catch_up_steps_aside_once_the_gate_settles_on_plain(
 
 def test_prompts_go_unread_where_plain_is_settled_but_one_batch_in_explore_every():
     gate = SpecGate()
-    for _ in range(RECENT):
-        spec_launch(gate, 4, ms_per_round=10, tokens_per_round=1.2)
-        plain_launch(gate, 4, ms_per_step=4)
+    warm(gate, 4, spec_ms=10, tokens_per_round=1.2, plain_ms=4)
     assert not gate.speculate(4) and gate.settled_plain(4) and not gate.settled_plain(1)
     assert not gate.skip_prompts(1) and not gate.skip_prompts(0)       # bucket 1 measured nothing
     skipped = [gate.skip_prompts(5) for _ in range(EXPLORE_EVERY + 1)]
