@@ -23,10 +23,13 @@ and speculates again once it rises above RETURN: between the two a bucket keeps 
 in the estimates does not flip it launch after launch.
 
 A bucket first measures each mode over WARM decode launches (speculation first); then the mode not
-chosen still runs one launch in EXPLORE_EVERY of the bucket's, so that a change in acceptance (text
-that drafts better) or in cost (longer contexts, more load) is noticed. A launch counts once it is
-fed: a plain launch planned while a drafting step is in flight is a chain-0 step first
-(spec/policy.py), and the exploration waits for the launch it wanted.
+chosen still runs EXPLORE_RUN launches after every EXPLORE_EVERY of the bucket's, so that a change in
+acceptance (text that drafts better) or in cost (longer contexts, more load) is noticed. Runs, not
+single launches: a mode's first launch carries work deferred from before it (an EAGLE head reads the
+prompts of the requests it explores with in their first decode launch), which a single launch would
+weigh as if every launch of the mode paid it. A launch counts once it is fed: a plain launch planned
+while a drafting step is in flight is a chain-0 step first (spec/policy.py), and the exploration waits
+for the launch it wanted.
 
 The gate decides for all-greedy batches only: which steps speculate changes the tokens a sampling
 request draws, and a run with the same requests must draw the same tokens.
@@ -41,7 +44,8 @@ from typing import NamedTuple
 BUCKETS = (1, 2, 4, 8, 16, 32)     # lower bounds of the batch-size buckets
 LEAVE = 0.98            # speculate -> plain below this ratio of expected rates (speculation loses)
 RETURN = 1.05           # plain -> speculate above it (speculation wins by a margin)
-EXPLORE_EVERY = 16      # one launch in this many of a bucket runs the mode it did not choose
+EXPLORE_EVERY = 16      # after this many launches of a bucket in its mode, it runs the other one ...
+EXPLORE_RUN = 4         # ... for this many launches
 WINDOW = 12             # launches a mode's estimate spans
 CLIP = 4.0              # a launch counts no more seconds than this many times its window's lower median
 WARM = 2                # decode launches each mode is measured over before the gate chooses
@@ -83,6 +87,7 @@ class Bucket:
     plain_launches: int = 0
     speculating: bool = True             # the mode chosen (exploration aside)
     since_other: int = 0                 # launches fed in the chosen mode since the other one ran
+    explored: int = 0                    # launches of the exploration under way fed
 
     def spec_rate(self) -> float | None:
         """Expected tokens per second of a request while speculating (None: not measured)."""
@@ -145,10 +150,17 @@ class SpecGate:
         """A decode launch of `rows` all-greedy requests was fed in this mode."""
         bucket = self.buckets[bucket_of(rows)]
         if speculative == bucket.speculating:
+            if bucket.explored:          # the run was cut short (a batch that could not explore)
+                bucket.since_other = bucket.explored = 0
             bucket.since_other += 1
-        else:
-            self.explorations += bucket.since_other >= EXPLORE_EVERY
+            return
+        if bucket.since_other < EXPLORE_EVERY:      # measuring it (warming), or a switch of mode
             bucket.since_other = 0
+            return
+        bucket.explored += 1
+        self.explorations += 1
+        if bucket.explored >= EXPLORE_RUN:
+            bucket.since_other = bucket.explored = 0
 
     def observe(self, rows: int, speculative: bool, seconds: float, steps: int, tokens: int = 0) -> None:
         """A decode launch of `rows` all-greedy requests ran `steps` steps (rounds) in a cycle of

@@ -24,7 +24,7 @@ from engine.batch import StepOutput
 from engine.kv_pool import KVPool
 from engine.messages import GateEstimate, RankStats, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from spec.gate import EXPLORE_EVERY, LEAVE, RETURN, WARM, WINDOW, SpecGate, bucket_label, bucket_of
+from spec.gate import EXPLORE_EVERY, EXPLORE_RUN, LEAVE, RETURN, WARM, WINDOW, SpecGate, bucket_label, bucket_of
 from spec.policy import SpeculativeDecoding
 from tests.test_scheduler import drive, expected
 
@@ -125,18 +125,24 @@ def test_one_slow_launch_does_not_flip_a_bucket():
     assert gate.buckets[bucket_of(2)].spec_rate() > 1000 * RETURN
 
 
-def test_plain_explores_speculation_and_a_rise_in_acceptance_turns_it_back_on():
+def test_plain_explores_speculation_in_runs_and_a_rise_in_acceptance_turns_it_back_on():
     gate = SpecGate()
     warm(gate, 1, spec_ms=3.0, tokens_per_round=1.5, plain_ms=1.0)      # 500 against 1000 tok/s
     assert feed(gate, 1, EXPLORE_EVERY) == [False] * EXPLORE_EVERY
     assert gate.speculate(1) and gate.speculate(1)   # exploring: until a speculative launch is fed
-    gate.fed(1, True)
-    assert gate.explorations == 1 and feed(gate, 1, 1) == [False]
+    assert feed(gate, 1, EXPLORE_RUN) == [True] * EXPLORE_RUN
+    assert gate.explorations == EXPLORE_RUN and feed(gate, 1, EXPLORE_EVERY) == [False] * EXPLORE_EVERY
+    gate.fed(1, True)                                # a run cut short by a launch that could not explore
+    gate.fed(1, False)
+    assert feed(gate, 1, EXPLORE_EVERY) == [False] * (EXPLORE_EVERY - 1) + [True]
     launches = 0                                     # the text drafts well now: 5 tokens a round
-    while not gate.speculate(1) and launches < WINDOW:
+    while not gate.buckets[0].speculating and launches < EXPLORE_RUN:
+        gate.fed(1, True)
         spec_launch(gate, 1, ms_per_round=3.0, tokens_per_round=5.0)
         launches += 1
-    assert gate.speculate(1) and 1 < launches < WINDOW   # over a window: not on one launch, but soon
+        gate.speculate(1)
+    assert gate.buckets[0].speculating and launches == 2     # over a window: not on one launch, but soon
+    assert feed(gate, 1, EXPLORE_EVERY) == [True] * EXPLORE_EVERY
 
 
 # ---- the policy on plain data ---------------------------------------------------------------
