@@ -23,8 +23,10 @@ and speculates again once it rises above RETURN: between the two a bucket keeps 
 in the estimates does not flip it launch after launch.
 
 A bucket first measures each mode over WARM decode launches (speculation first); then the mode not
-chosen still runs EXPLORE_RUN launches after every EXPLORE_EVERY of the bucket's, so that a change in
-acceptance (text that drafts better) or in cost (longer contexts, more load) is noticed. Runs, not
+chosen still runs EXPLORE_RUN launches after every so many of the bucket's, so that a change in
+acceptance (text that drafts better) or in cost (longer contexts, more load) is noticed. How many:
+enough that exploring costs about EXPLORE_COST of the bucket's time at the rates measured (a mode that
+loses by 40% is tried less often than one that loses by 5%), within EXPLORE_EVERY..EXPLORE_MAX. Runs, not
 single launches: a mode's first launch carries work deferred from before it (an EAGLE head reads the
 prompts of the requests it explores with in their first decode launch), which a single launch would
 weigh as if every launch of the mode paid it. A launch counts once it is fed: a plain launch planned
@@ -44,8 +46,10 @@ from typing import NamedTuple
 BUCKETS = (1, 2, 4, 8, 16, 32)     # lower bounds of the batch-size buckets
 LEAVE = 0.98            # speculate -> plain below this ratio of expected rates (speculation loses)
 RETURN = 1.05           # plain -> speculate above it (speculation wins by a margin)
-EXPLORE_EVERY = 16      # after this many launches of a bucket in its mode, it runs the other one ...
-EXPLORE_RUN = 4         # ... for this many launches
+EXPLORE_EVERY = 16      # after at least this many launches of a bucket in its mode, it runs the other one ...
+EXPLORE_MAX = 256       # ... and at most this many ...
+EXPLORE_RUN = 4         # ... for this many launches ...
+EXPLORE_COST = 0.01     # ... so that exploring loses about this share of the bucket's time
 WINDOW = 12             # launches a mode's estimate spans
 CLIP = 4.0              # a launch counts no more seconds than this many times its window's lower median
 WARM = 2                # decode launches each mode is measured over before the gate chooses
@@ -96,6 +100,18 @@ class Bucket:
     def plain_rate(self) -> float | None:
         return rate(self.plain)
 
+    def explore_after(self) -> int:
+        """Launches in the chosen mode before the other one runs EXPLORE_RUN launches."""
+        spec, plain = self.spec_rate(), self.plain_rate()
+        if not spec or not plain:
+            return EXPLORE_EVERY
+        loss = 1 - (plain / spec if self.speculating else spec / plain)
+        return min(EXPLORE_MAX, max(EXPLORE_EVERY, round(EXPLORE_RUN * loss / EXPLORE_COST)))
+
+    def exploring(self) -> bool:
+        """Is the other mode due (or running: a run under way goes on whatever the rates do meanwhile)?"""
+        return self.explored > 0 or self.since_other >= self.explore_after()
+
     def warming(self) -> bool | None:
         """The mode to measure before choosing (speculation first), or None: both are measured."""
         if self.spec_launches < WARM:
@@ -125,8 +141,8 @@ class SpecGate:
             return warming
         spec, plain = bucket.spec_rate(), bucket.plain_rate()
         if bucket.speculating and spec < LEAVE * plain or not bucket.speculating and spec > RETURN * plain:
-            bucket.speculating, bucket.since_other = not bucket.speculating, 0
-        if bucket.since_other >= EXPLORE_EVERY:
+            bucket.speculating, bucket.since_other, bucket.explored = not bucket.speculating, 0, 0
+        if bucket.exploring():
             return not bucket.speculating
         return bucket.speculating
 
@@ -141,7 +157,7 @@ class SpecGate:
         decode plainly)? Where the bucket is settled on plain, except when it is due to explore: then the
         prompts are read and their requests' first decode launch speculates. Counts as a launch fed plain."""
         bucket = self.buckets[bucket_of(max(rows, 1))]
-        if not self.settled_plain(max(rows, 1)) or bucket.since_other >= EXPLORE_EVERY:
+        if not self.settled_plain(max(rows, 1)) or bucket.exploring():
             return False
         bucket.since_other += 1
         return True
@@ -154,7 +170,7 @@ class SpecGate:
                 bucket.since_other = bucket.explored = 0
             bucket.since_other += 1
             return
-        if bucket.since_other < EXPLORE_EVERY:      # measuring it (warming), or a switch of mode
+        if not bucket.exploring():              # measuring it (warming), or a switch of mode
             bucket.since_other = 0
             return
         bucket.explored += 1
@@ -192,4 +208,4 @@ class SpecGate:
         return (f"adaptive: per batch size ({labels} requests), greedy batches decode plainly where "
                 f"speculation is expected to lose (below {LEAVE:g}x plain's rate, back above {RETURN:g}x), "
                 f"each mode measured as it serves (speculation charged the prefill launches its decodes wait "
-                f"for), the other tried one launch in {EXPLORE_EVERY}")
+                f"for), the other tried {EXPLORE_RUN} launches at a time, for about {EXPLORE_COST:.0%} of the time")

@@ -138,7 +138,7 @@ class SpeculativeDecoding(DecodePolicy):
         the step), once the gate has settled on plain decoding at their batch size (SpecGate.settled_plain),
         or once one of them is behind already. Keeping the head current costs its pass over every plain
         step, which is what the gate's choice was to save. Greedy prompts that arrive while their batch size
-        is settled on plain are not read either (SpecGate.skip_prompts), except one batch in EXPLORE_EVERY:
+        is settled on plain are not read either (SpecGate.skip_prompts), except when it explores:
         its requests explore speculation. A batch with a sampling prompt in it is read."""
         if not self.falls_behind or self.plain_now not in ("gate", "behind"):
             return False

@@ -1,7 +1,7 @@
 """Speculation that pays or steps aside (spec/gate.py, --speculative-adaptive).
 
 - The gate's decisions on plain numbers (no timing): speculation first, then plain to measure it,
-  then whichever is expected to be faster per token; hysteresis; one launch in EXPLORE_EVERY in
+  then whichever is expected to be faster per token; hysteresis; runs of launches in
   the other mode, so that a rise in acceptance turns speculation back on; buckets apart.
 - The policy on plain data: greedy batches the gate sends plain decode in runs (or one token each
   beside prompt chunks), through a chain-0 step while a drafting step is in flight; sampling
@@ -24,7 +24,8 @@ from engine.batch import StepOutput
 from engine.kv_pool import KVPool
 from engine.messages import GateEstimate, RankStats, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from spec.gate import EXPLORE_EVERY, EXPLORE_RUN, LEAVE, RETURN, WARM, WINDOW, SpecGate, bucket_label, bucket_of
+from spec.gate import (EXPLORE_COST, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN, LEAVE, RETURN, WARM, WINDOW, SpecGate,
+                       bucket_label, bucket_of)
 from spec.policy import SpeculativeDecoding
 from tests.test_scheduler import drive, expected
 
@@ -78,9 +79,21 @@ def warm(gate: SpecGate, rows: int, spec_ms: float, tokens_per_round: float, pla
 
 def test_speculation_stays_where_it_pays():
     gate = SpecGate()
-    warm(gate, 16, spec_ms=2.0, tokens_per_round=3.0, plain_ms=1.0)     # 1500 against 1000 tok/s per request
-    assert feed(gate, 16, EXPLORE_EVERY) == [True] * EXPLORE_EVERY
-    assert gate.speculate(16) is False               # then one plain launch, to keep measuring
+    warm(gate, 16, spec_ms=2.0, tokens_per_round=3.0, plain_ms=1.0)     # plain loses a third
+    every = gate.buckets[bucket_of(16)].explore_after()
+    assert every == round(EXPLORE_RUN * (1 / 3) / EXPLORE_COST)
+    assert feed(gate, 16, every) == [True] * every
+    assert feed(gate, 16, EXPLORE_RUN + 1) == [False] * EXPLORE_RUN + [True]    # then a plain run, to keep measuring
+
+
+@pytest.mark.parametrize("plain_ms,every", [(1.0, 16), (1.04, 16), (1.1, 36), (1.5, 133), (3.0, 256)])
+def test_a_mode_that_loses_by_more_is_explored_less_often(plain_ms, every):
+    """Exploring costs about EXPLORE_COST of the time: runs of EXPLORE_RUN launches, further apart the more
+    the other mode loses (between EXPLORE_EVERY and EXPLORE_MAX launches)."""
+    gate = SpecGate()
+    warm(gate, 1, spec_ms=1.0, tokens_per_round=1.0, plain_ms=plain_ms)
+    assert gate.speculate(1) and gate.buckets[0].explore_after() == every
+    assert EXPLORE_EVERY <= every <= EXPLORE_MAX
 
 
 def test_the_prefill_launches_speculative_decodes_wait_for_count_against_speculation():
@@ -128,13 +141,16 @@ def test_one_slow_launch_does_not_flip_a_bucket():
 def test_plain_explores_speculation_in_runs_and_a_rise_in_acceptance_turns_it_back_on():
     gate = SpecGate()
     warm(gate, 1, spec_ms=3.0, tokens_per_round=1.5, plain_ms=1.0)      # 500 against 1000 tok/s
-    assert feed(gate, 1, EXPLORE_EVERY) == [False] * EXPLORE_EVERY
+    assert not gate.speculate(1)
+    every = gate.buckets[0].explore_after()
+    assert every == round(EXPLORE_RUN * 0.5 / EXPLORE_COST)
+    assert feed(gate, 1, every) == [False] * every
     assert gate.speculate(1) and gate.speculate(1)   # exploring: until a speculative launch is fed
     assert feed(gate, 1, EXPLORE_RUN) == [True] * EXPLORE_RUN
-    assert gate.explorations == EXPLORE_RUN and feed(gate, 1, EXPLORE_EVERY) == [False] * EXPLORE_EVERY
+    assert gate.explorations == EXPLORE_RUN and feed(gate, 1, every) == [False] * every
     gate.fed(1, True)                                # a run cut short by a launch that could not explore
     gate.fed(1, False)
-    assert feed(gate, 1, EXPLORE_EVERY) == [False] * (EXPLORE_EVERY - 1) + [True]
+    assert feed(gate, 1, every) == [False] * (every - 1) + [True]
     launches = 0                                     # the text drafts well now: 5 tokens a round
     while not gate.buckets[0].speculating and launches < EXPLORE_RUN:
         gate.fed(1, True)
@@ -143,6 +159,7 @@ def test_plain_explores_speculation_in_runs_and_a_rise_in_acceptance_turns_it_ba
         gate.speculate(1)
     assert gate.buckets[0].speculating and launches == 2     # over a window: not on one launch, but soon
     assert feed(gate, 1, EXPLORE_EVERY) == [True] * EXPLORE_EVERY
+    assert not gate.buckets[0].exploring()
 
 
 # ---- the policy on plain data ---------------------------------------------------------------
@@ -321,8 +338,9 @@ def test_prompts_go_unread_where_plain_is_settled_but_one_batch_in_explore_every
     warm(gate, 4, spec_ms=10, tokens_per_round=1.2, plain_ms=4)
     assert not gate.speculate(4) and gate.settled_plain(4) and not gate.settled_plain(1)
     assert not gate.skip_prompts(1) and not gate.skip_prompts(0)       # bucket 1 measured nothing
-    skipped = [gate.skip_prompts(5) for _ in range(EXPLORE_EVERY + 1)]
-    assert skipped == [True] * EXPLORE_EVERY + [False]
+    every = gate.buckets[bucket_of(4)].explore_after()
+    skipped = [gate.skip_prompts(5) for _ in range(every + 1)]
+    assert skipped == [True] * every + [False]
     assert gate.speculate(4)                          # the prompts read explore speculation
 
 
