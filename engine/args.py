@@ -179,6 +179,10 @@ class ServerArgs:
                                                        "the built-in one).")
     pd_secret: str | None = flag(None, "Prefill/decode: a shared secret both nodes must prove they know (HMAC "
                                        "challenge; never sent), or @FILE / a file path holding it.")
+    rank_secret: str | None = flag(None, "Ranks: a shared secret every rank must prove it knows to join the front "
+                                         "(HMAC challenge; never sent), or @FILE / a file path holding it. Required "
+                                         "with --nnodes > 1, whose rank port is open to the network; give every host "
+                                         "the same one.")
     disaggregation_timeout: float = flag(60.0, "Prefill/decode: seconds a request may wait for its prefill node "
                                                "(connecting, prefilling, transferring) before it fails.")
     shutdown_timeout: float = flag(30.0, "On SIGTERM / SIGINT: seconds in-flight requests may still run before "
@@ -280,6 +284,9 @@ class ServerArgs:
             raise ValueError("--node-rank must be in [0, --nnodes)")
         if self.nnodes > 1 and (not self.enable_dp_attention or not self.dist_init_addr):
             raise ValueError("--nnodes > 1 needs --enable-dp-attention and --dist-init-addr HOST:PORT")
+        if self.nnodes > 1 and not self.rank_secret:
+            raise ValueError("--nnodes > 1 needs --rank-secret (the same on every host): node 0's rank port is "
+                             "open to the network")
         if self.enable_dp_attention and self.dp_size % self.nnodes:
             raise ValueError(f"--dp-size {self.dp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.enable_dp_attention and self.dp_size < 2:

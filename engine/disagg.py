@@ -22,46 +22,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
-from engine.messages import KvBlock, KvLayer, PrefillDone, PrefillReserved
+from engine.messages import KvLayer, PrefillDone, PrefillReserved
 from engine.request import Request, Status
+from engine.wire_tensor import from_wire, to_wire
 
 if TYPE_CHECKING:
     from devices.base import Launched
     from engine.core import EngineCore, InFlight
-    from engine.wire import Channel
+    from engine.framing import Connection
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-          "int32": torch.int32}
-
-
-def to_block(tensor: torch.Tensor) -> KvBlock:
-    tensor = tensor.contiguous()
-    name = str(tensor.dtype).removeprefix("torch.")
-    raw = tensor.view(torch.uint8) if tensor.dtype == torch.bfloat16 else tensor
-    return KvBlock(dtype=name, shape=list(tensor.shape), data=raw.numpy().tobytes())
-
-
-def from_block(block: KvBlock) -> torch.Tensor:
-    """A host tensor from a block; a clear ValueError for anything malformed."""
-    dtype = DTYPES.get(block.dtype)
-    if dtype is None:
-        raise ValueError(f"KV block of dtype {block.dtype!r}; expected one of {sorted(DTYPES)}")
-    count = 1
-    for size in block.shape:
-        if size < 0:
-            raise ValueError(f"KV block of shape {block.shape}")
-        count *= size
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if count * itemsize != len(block.data):
-        raise ValueError(f"KV block of shape {block.shape} ({block.dtype}) with {len(block.data)} bytes")
-    if not block.data:
-        return torch.empty(block.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(block.data), dtype=torch.uint8).view(dtype).view(block.shape)
-
-
 @dataclass
 class ChunkExport:
     rid: str
@@ -78,7 +49,7 @@ class FirstToken:
 class PrefillExporter:
     """A prefill rank's side: exports launched behind the chunks, sent to the front in order."""
 
-    def __init__(self, core: "EngineCore", channel: "Channel"):
+    def __init__(self, core: "EngineCore", channel: "Connection"):
         self.core, self.channel = core, channel
         self.rids: set[str] = set()
         self.started: dict[str, float] = {}          # for the trace: when each prefill arrived
@@ -134,9 +105,9 @@ class PrefillExporter:
             return
         for kind, layers in (("target", target), ("draft", draft)):
             for layer, pair in enumerate(layers):
-                self.channel.send_nowait(KvLayer(item.rid, item.start, item.count, layer, kind, to_block(pair)))
+                self.channel.send_nowait(KvLayer(item.rid, item.start, item.count, layer, kind, to_wire(pair)))
         if draft_row:
-            draft_rows[item.rid] = {name: to_block(t) for name, t in draft_row.items()}
+            draft_rows[item.rid] = {name: to_wire(t) for name, t in draft_row.items()}
         await self.channel.writer.drain()
 
     def send_done(self, req: Request, draft_row: dict) -> None:
@@ -150,7 +121,7 @@ class PrefillExporter:
 class RemoteKv:
     """A decode rank's side: reservations, arriving KV and activation."""
 
-    def __init__(self, core: "EngineCore", channel: "Channel"):
+    def __init__(self, core: "EngineCore", channel: "Connection"):
         self.core, self.channel = core, channel
         self.writes: set[asyncio.Task] = set()
         self.failed: list[Request] = []       # failed by a write on the stream: news for the rank
@@ -179,7 +150,7 @@ class RemoteKv:
         if req is None:
             return []                              # aborted meanwhile
         try:
-            pair = from_block(msg.block)
+            pair = from_wire(msg.data)
             if msg.start < 0 or msg.start + msg.count > len(req.input_ids):
                 raise ValueError(f"positions {msg.start}..{msg.start + msg.count} of a "
                                  f"{len(req.input_ids)}-token prompt")
@@ -196,7 +167,7 @@ class RemoteKv:
         if req is None:
             return []
         try:
-            draft_row = {name: from_block(block) for name, block in msg.draft_row.items()}
+            draft_row = {name: from_wire(tensor) for name, tensor in msg.draft_row.items()}
         except ValueError as exc:
             return self.fail(req, f"bad draft state from the prefill node: {exc}")
         if msg.kv_len != len(req.input_ids):

@@ -1,11 +1,17 @@
 """Typed messages between the front (server/) and a rank process (engine/).
 
 One union per direction. Frames on the unix socket are msgpack-encoded, tagged
-msgspec Structs (see engine/wire.py). Every message names its request id `rid`.
+msgspec Structs (see engine/framing.py). Every message names its request id `rid`.
 """
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+
+from engine.wire_tensor import WireTensor
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -35,32 +41,26 @@ class AddRequest(msgspec.Struct, tag=True):
     mode: str = "unified"
 
 
-class KvBlock(msgspec.Struct):
-    """A host tensor as raw bytes (K and V of some positions of one layer: [2, count, kv_heads, head_dim])."""
-    dtype: str
-    shape: list[int]
-    data: bytes
-
-
 class KvLayer(msgspec.Struct, tag=True):
-    """Prefill/decode: one layer's K and V of positions [start, start + count) of a request."""
+    """Prefill/decode: K and V of positions [start, start + count) of one layer of a request: data is
+    [2, count, kv_heads, head_dim]. The same message goes rank -> front -> decode node -> rank."""
     rid: str
-    start: int
-    count: int
-    layer: int
-    kind: str                       # "target", or "draft" (the draft model's or head's own cache)
-    block: KvBlock
+    start: NonNegative
+    count: NonNegative
+    layer: NonNegative
+    kind: Literal["target", "draft"]    # the target's cache, or the draft model's (or head's) own
+    data: WireTensor
 
 
 class PrefillDone(msgspec.Struct, tag=True):
     """Prefill/decode: the prompt is in the KV sent before; the first token, and what the decode
-    side's speculative worker and decode policy need to go on."""
+    side's speculative worker (draft_row) and decode policy (record) need to go on."""
     rid: str
-    kv_len: int
-    first_token: int
+    kv_len: NonNegative
+    first_token: NonNegative
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    draft_row: dict[str, KvBlock] = {}
+    draft_row: dict[str, WireTensor] = {}
     record: dict = {}
 
 
@@ -158,6 +158,8 @@ class RankReady(msgspec.Struct, tag=True):
     context_length: int
     description: str
     dtype: str                      # the dtype the model runs in, resolved ("float32", not "auto")
+    kv_dtype: str = ""              # the dtype of its KV cache ("": as dtype)
+    draft_weights: str | None = None    # the draft model's quantization, resolved (None: unquantized or no draft)
 
 
 FromRank = (TokenDelta | RequestRejected | RequestFailed | RankStats | RankReady | KvLayer | PrefillDone

@@ -31,7 +31,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from spec.gate import SpecGate
 from spec.policy import SpeculativeDecoding
 from engine.trace import Tracer
-from engine.wire import Channel
+from engine.framing import Connection
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL = 0.5        # also the longest a rank of an idle DP-attention group waits (the front wakes it: Wake)
@@ -76,7 +76,7 @@ def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer
 
 
 class Rank:
-    def __init__(self, args: ServerArgs, rank: int, device: Device, channel: Channel, eos_ids: frozenset[int],
+    def __init__(self, args: ServerArgs, rank: int, device: Device, channel: Connection, eos_ids: frozenset[int],
                  dp: DpGroup | None = None):
         self.args, self.rank, self.device, self.channel = args, rank, device, channel
         self.tracer = Tracer(args.trace_file, rank)

@@ -18,11 +18,13 @@ from engine.models.loader import read_target_config
 from engine.core import EngineBroken
 from engine.dp import DpGroup, GroupBroken
 from engine.event_loop import exit_now, run_main
+from engine.framing import Connection
+from engine.handshake import handshake, load_secret
 from engine.rank import Rank
-from engine.wire import Channel
 
 log = logging.getLogger(__name__)
 TERM_GRACE_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 def eos_token_ids(model_path: str, config) -> frozenset[int]:
@@ -39,14 +41,17 @@ def eos_token_ids(model_path: str, config) -> frozenset[int]:
     return frozenset(ids)
 
 
-async def connect_front(address: str) -> Channel:
-    """The front's socket: a unix path, or tcp://HOST:PORT (ranks on another host)."""
+async def connect_front(address: str, secret: bytes | None) -> Connection:
+    """The front's socket: a unix path, or tcp://HOST:PORT (ranks on another host); the handshake
+    proves the --rank-secret when there is one."""
     if address.startswith("tcp://"):
         host, _, port = address.removeprefix("tcp://").rpartition(":")
         reader, writer = await asyncio.open_connection(host, int(port))
     else:
         reader, writer = await asyncio.open_unix_connection(address)
-    return Channel(reader, writer, ToRank)
+    conn = Connection(reader, writer, ToRank, kind="rank")
+    await handshake(conn, "rank", "", secret, HANDSHAKE_TIMEOUT_S)
+    return conn
 
 
 async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
@@ -54,7 +59,7 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     device.set_threads(cpu_threads(args))
     dp = DpGroup(rank, args.dp_size, args.dist_init_addr, device.collective_backend) \
         if args.enable_dp_attention else None
-    channel = await connect_front(socket_path)
+    channel = await connect_front(socket_path, load_secret(args.rank_secret, "--rank-secret"))
     # eos ids come from the checkpoint's own config files
     config = read_target_config(args.model_path)
     worker = Rank(args, rank, device, channel, eos_token_ids(args.model_path, config), dp)
@@ -64,7 +69,9 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     await channel.send(RankReady(rank=rank, kv_total=worker.pool.total_slots,
                                  context_length=worker.runner.context_length,
                                  description=f"{Path(args.model_path).name} on {device.torch_device}",
-                                 dtype=str(worker.runner.dtype).removeprefix("torch.")))
+                                 dtype=str(worker.runner.dtype).removeprefix("torch."),
+                                 kv_dtype=str(worker.runner.target.kv.k[0].dtype).removeprefix("torch."),
+                                 draft_weights=getattr(worker.runner.worker, "draft_weights", None)))
     try:
         await worker.run()
     except EngineBroken as exc:

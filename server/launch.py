@@ -66,7 +66,7 @@ def make_engine(args: ServerArgs):
         return RankEngineClient(args), None
     from server.pd.decode_client import DecodeEngineClient
     from server.pd.prefill_server import PrefillServer
-    from server.pd.wire import load_secret
+    from engine.handshake import load_secret
     secret = load_secret(args.pd_secret)
     if args.role == "decode":
         engine = DecodeEngineClient(args, secret)

@@ -23,14 +23,16 @@ from collections import deque
 from typing import AsyncIterator
 
 from engine.args import ServerArgs
+from engine.framing import Connection
+from engine.handshake import handshake, load_secret
 from engine.messages import (AbortRequest, AddRequest, FromRank, KvLayer, PrefillDone, PrefillReserved, RankReady,
                              RankStats, RequestFailed, RequestRejected, SamplingParams, Shutdown, TokenDelta, Wake)
 from engine.rank_entry import rank_process
-from engine.wire import Channel
 from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0
+HANDSHAKE_TIMEOUT_S = 10.0
 RESTART_WINDOW_S = 600.0
 WATCH_INTERVAL_S = 0.2
 EXIT_GRACE_S = 2.0
@@ -42,7 +44,7 @@ class RankLink:
     def __init__(self, rank: int):
         self.rank = rank
         self.process: mp.process.BaseProcess | None = None
-        self.channel: Channel | None = None
+        self.channel: Connection | None = None
         self.ready: RankReady | None = None
         self.stats: RankStats | None = None
         self.alive = False
@@ -77,6 +79,7 @@ class RankEngineClient(EngineClient):
         self.args = args
         self.links = [RankLink(rank) for rank in range(args.dp_size)]
         self.rank_args = self.with_group_address(args)          # what the rank processes are started with
+        self.rank_secret = load_secret(args.rank_secret, "--rank-secret")
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, RankLink] = {}
         self.round_robin = itertools.count()
@@ -96,30 +99,34 @@ class RankEngineClient(EngineClient):
     # ---- start and stop ------------------------------------------------------------
 
     async def start(self) -> list[RankReady]:
+        await self.listen()
+        await asyncio.gather(*[self.bring_up(link) for link in self.links])
+        return [link.ready for link in self.links]
+
+    async def listen(self) -> None:
+        """Open the rank socket (and with --nnodes > 1 the rank port for the other hosts' ranks)."""
         self.server = await asyncio.start_unix_server(self.on_connect, path=self.socket_path)
         if self.args.nnodes > 1:                  # ranks on the other hosts connect over TCP
             host, port = remote_rank_address(self.args)
             self.remote_server = await asyncio.start_server(self.on_connect, host, port)
-        await asyncio.gather(*[self.bring_up(link) for link in self.links])
-        return [link.ready for link in self.links]
 
     def is_local(self, link: RankLink) -> bool:
         """This host runs the rank's process (--nnodes > 1: the others run theirs)."""
         return link.rank < self.args.dp_size // self.args.nnodes
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A rank process connected: its first frame says which rank it is."""
-        channel = Channel(reader, writer, FromRank)
+        """A rank process connected: after the handshake, its first frame says which rank it is."""
+        channel = Connection(reader, writer, FromRank, kind="rank")
         try:
+            await handshake(channel, "front", "", self.rank_secret, HANDSHAKE_TIMEOUT_S)
             ready = await asyncio.wait_for(channel.recv(), START_TIMEOUT)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
-            log.warning("a rank connected but never said it was ready (%s)", type(exc).__name__)
-            channel.close()
+        except (asyncio.TimeoutError, ConnectionError) as exc:
+            log.warning("refused a rank connection from %s: %s", channel.peer, exc or type(exc).__name__)
+            channel.close(f"refused: {exc or type(exc).__name__}", abort=True)
             return
         link = self.links[ready.rank] if isinstance(ready, RankReady) and ready.rank < len(self.links) else None
         if link is None or link.connected is None or link.connected.done():
-            log.warning("unexpected connection on the rank socket: %r", ready)
-            channel.close()
+            channel.refuse(f"unexpected first message on the rank socket: {type(ready).__name__}")
             return
         link.connected.set_result((channel, ready))
 

@@ -16,9 +16,11 @@ import aiohttp
 import pytest
 
 from engine.faults import ENV
+from engine.framing import HEADER, PROTOCOL_VERSION, Hello, Refusal, encode_frame
+from engine.handshake import handshake
 from server.pd.fingerprint import model_fingerprint
-from server.pd.messages import Hello, ToDecode
-from server.pd.wire import HandshakeRefused, PdConnection, handshake
+from server.pd.messages import ToDecode
+from server.pd.transport import pd_connection
 from tests.e2e_prompts import CODE_PROMPTS
 from tests.pd_harness import metrics, pd_pair, start_prefill, wait_idle
 from tests.server_harness import DENSE, metric
@@ -124,7 +126,7 @@ async def raw_peer(port: int, payload: bytes) -> bytes:
 
 async def shake(port: int, fingerprint: str, secret: bytes | None) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    conn = PdConnection(reader, writer, ToDecode)
+    conn = pd_connection(reader, writer, ToDecode)
     try:
         await handshake(conn, "decode", fingerprint, secret, 10)
     finally:
@@ -137,13 +139,14 @@ async def test_bad_peers_on_the_bootstrap_port_are_refused_and_harm_nothing(tmp_
     flags = ["--speculative-algorithm", "none", "--pd-secret", f"@{secret}"]
     with pd_pair([], [], tmp_path, flags) as pair:
         port, good = pair.bootstrap_port, model_fingerprint(str(DENSE), "float32", 1, "none", 0, None)
-        await raw_peer(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)                # read as a huge length
-        await raw_peer(port, (12).to_bytes(4, "big") + b"\xc1" * 12)          # a frame msgpack cannot read
-        hello = Hello(version=99, role="decode", fingerprint=good, nonce=os.urandom(32))
-        await raw_peer(port, _frame(hello))
+        await raw_peer(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)                # read as version "GE"
+        await raw_peer(port, HEADER.pack(PROTOCOL_VERSION, 12) + b"\xc1" * 12)    # a frame msgpack cannot read
+        await raw_peer(port, HEADER.pack(PROTOCOL_VERSION, 1 << 31) + b"x" * 64)   # over the size limit
+        hello = Hello(role="decode", fingerprint=good, nonce=os.urandom(32))
+        await raw_peer(port, encode_frame(hello, version=99))
         for fingerprint, key, reason in ((good, b"wrong", "wrong secret"), (good, None, "no secret"),
                                          ("0" * 16, b"correct horse battery staple", "fingerprint differs")):
-            with pytest.raises(HandshakeRefused, match=reason):
+            with pytest.raises(Refusal, match=reason):
                 await shake(port, fingerprint, key)
         reasons = ("undecodable frame", "exceeds the limit", "protocol versions differ", "wrong secret",
                    "no secret", "fingerprint differs")
@@ -157,12 +160,6 @@ async def test_bad_peers_on_the_bootstrap_port_are_refused_and_harm_nothing(tmp_
         async with aiohttp.ClientSession() as session:
             status, text = await complete(session, pair.url, CODE_PROMPTS[0])
             assert status == 200, text                           # the real decode node was never disturbed
-
-
-def _frame(msg) -> bytes:
-    import msgspec
-    body = msgspec.msgpack.encode(msg)
-    return len(body).to_bytes(4, "big") + body
 
 
 async def test_a_prefill_node_that_stops_answering_times_out(tmp_path):

@@ -1,5 +1,6 @@
-"""The prefill/decode wire (server/pd/): frames, heartbeats, the handshake, tensors on the wire and
-model fingerprints, over real TCP sockets on 127.0.0.1. The test server plays the prefill node
+"""The prefill/decode link (engine/framing.py and engine/handshake.py as server/pd/ uses them): frames,
+heartbeats, the handshake, tensors on the wire and model fingerprints, over real TCP sockets on 127.0.0.1.
+The test server plays the prefill node
 (it receives ToPrefill), clients play decode nodes."""
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import msgspec
 import pytest
 import torch
 
-from engine.messages import SamplingParams
-from server.pd import wire
+from engine.framing import (HEADER, PROTOCOL_VERSION, Connection, Hello, PeerClosed, PeerSilent, Ping, ProtocolError,
+                            Refusal, Refused, decoder_of, encode_frame)
+from engine.handshake import NONCE_BYTES, handshake, load_secret
+from engine.messages import KvLayer, PrefillDone, SamplingParams
+from engine.wire_tensor import WireTensor, from_wire, to_wire
 from server.pd.fingerprint import describe, model_fingerprint
-from server.pd.messages import (Busy, Hello, KvLayer, Ping, PrefillDone, PrefillRequest, Refused, ToDecode,
-                                ToPrefill, WireTensor, from_wire, to_wire)
-from server.pd.wire import (HEADER, PROTOCOL_VERSION, HandshakeRefused, PdConnection, PeerClosed, PeerSilent,
-                            ProtocolError, handshake, load_secret)
+from server.pd.messages import Busy, PrefillRequest, ToDecode, ToPrefill
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 FP = "0123456789abcdef"
@@ -61,13 +62,13 @@ class PrefillServer:
     def __init__(self, handler):
         self.handler = handler
         self.outcomes: asyncio.Queue = asyncio.Queue()
-        self.conns: list[PdConnection] = []
+        self.conns: list[Connection] = []
         self.tasks: set[asyncio.Task] = set()
 
     async def on_connect(self, reader, writer) -> None:
         self.tasks.add(asyncio.current_task())
         OPEN_WRITERS.append(writer)
-        conn = PdConnection(reader, writer, ToPrefill, MAX_FRAME)
+        conn = Connection(reader, writer, ToPrefill, kind="pd", max_frame_bytes=MAX_FRAME, heartbeat_interval=5.0)
         self.conns.append(conn)
         try:
             outcome = await self.handler(conn)
@@ -105,9 +106,10 @@ async def silent_peer():
         await server.wait_closed()
 
 
-async def connect(port: int, heartbeat_interval: float = 5.0) -> PdConnection:
+async def connect(port: int, heartbeat_interval: float = 5.0) -> Connection:
     reader, writer = await raw_connect(port)
-    return PdConnection(reader, writer, ToDecode, MAX_FRAME, heartbeat_interval=heartbeat_interval)
+    return Connection(reader, writer, ToDecode, kind="pd", max_frame_bytes=MAX_FRAME,
+                      heartbeat_interval=heartbeat_interval)
 
 
 def prefill_handshake(fingerprint=FP, secret=None, timeout=HANDSHAKE_TIMEOUT):
@@ -124,15 +126,15 @@ def serving_prefill(secret=None, timeout=HANDSHAKE_TIMEOUT):
         while True:
             msg = await conn.recv(timeout=WAIT)
             if isinstance(msg, PrefillRequest):
-                await conn.send(Busy(msg.room, "test"))
+                await conn.send(Busy(msg.rid, "test"))
     return handler
 
 
 def request(room: str) -> PrefillRequest:
-    return PrefillRequest(room=room, input_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=4))
+    return PrefillRequest(rid=room, input_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=4))
 
 
-async def assert_serves(conn: PdConnection, room: str) -> None:
+async def assert_serves(conn: Connection, room: str) -> None:
     await conn.send(request(room))
     reply = await conn.recv(timeout=WAIT)
     assert reply == Busy(room, "test")
@@ -140,10 +142,10 @@ async def assert_serves(conn: PdConnection, room: str) -> None:
 
 async def raw_frames(reader: asyncio.StreamReader) -> list:
     """Every frame a raw socket receives until EOF, decoded as ToDecode."""
-    frames, decoder = [], msgspec.msgpack.Decoder(ToDecode)
+    frames, decoder = [], decoder_of(ToDecode)
     while True:
         try:
-            (size,) = HEADER.unpack(await asyncio.wait_for(reader.readexactly(HEADER.size), WAIT))
+            _, size = HEADER.unpack(await asyncio.wait_for(reader.readexactly(HEADER.size), WAIT))
         except asyncio.IncompleteReadError:
             return frames
         frames.append(decoder.decode(await reader.readexactly(size)))
@@ -158,12 +160,12 @@ async def decode_side(port, role="decode", fingerprint=FP, secret=None):
     return conn, None
 
 
-async def refused_on_both_sides(server_handler, **client) -> tuple[HandshakeRefused, HandshakeRefused]:
+async def refused_on_both_sides(server_handler, **client) -> tuple[Refusal, Refusal]:
     async with prefill_server(server_handler) as server:
         client_conn, client_error = await decode_side(server.port, **client)
         server_conn, server_error = await server.outcome()
-    assert isinstance(client_error, HandshakeRefused), client_error
-    assert isinstance(server_error, HandshakeRefused), server_error
+    assert isinstance(client_error, Refusal), client_error
+    assert isinstance(server_error, Refusal), server_error
     assert client_conn.closed and server_conn.closed
     assert client_conn.writer.is_closing() and server_conn.writer.is_closing()
     return server_error, client_error
@@ -205,29 +207,30 @@ async def test_the_secret_never_travels_and_each_handshake_has_fresh_nonces():
             conn, error = await decode_side(server.port, secret=secret)
             assert error is None
             _, outcome = await server.outcome()
-            assert isinstance(outcome, PdConnection)
+            assert isinstance(outcome, Connection)
             received.append(bytes(seen))
             seen.clear()
             conn.close("done")
     assert all(secret not in raw for raw in received)
-    hellos = [msgspec.msgpack.decode(raw[HEADER.size:HEADER.size + HEADER.unpack(raw[:HEADER.size])[0]],
-                                     type=ToPrefill) for raw in received]
-    assert len(hellos[0].nonce) == wire.NONCE_BYTES
+    hellos = [decoder_of(ToPrefill).decode(raw[HEADER.size:HEADER.size + HEADER.unpack(raw[:HEADER.size])[1]])
+              for raw in received]
+    assert len(hellos[0].nonce) == NONCE_BYTES
     assert hellos[0].nonce != hellos[1].nonce           # a fresh nonce (and so a fresh proof) each time
 
 
-async def test_wrong_version_is_refused_by_name_and_closed():
+async def test_wrong_version_is_refused_by_name_and_closed(caplog):
+    caplog.set_level("INFO", logger="tandem.pd")
     async with prefill_server(prefill_handshake()) as server:
         reader, writer = await raw_connect(server.port)
-        body = msgspec.msgpack.encode(Hello(PROTOCOL_VERSION + 1, "decode", FP, b""))
-        writer.write(HEADER.pack(len(body)) + body)
+        writer.write(encode_frame(Hello("decode", FP, b""), version=PROTOCOL_VERSION + 1))
         frames = await raw_frames(reader)     # ends at EOF: the server closed
         _, error = await server.outcome()
         writer.close()
-    assert isinstance(error, HandshakeRefused)
-    assert "protocol versions differ" in error.reason and f"speaks {PROTOCOL_VERSION + 1}" in error.reason
-    assert isinstance(frames[0], Hello) and frames[0].version == PROTOCOL_VERSION
-    assert frames[1:] == [Refused(error.reason)]
+    assert isinstance(error, ProtocolError)
+    assert "protocol versions differ" in str(error) and f"version {PROTOCOL_VERSION + 1}" in str(error)
+    assert isinstance(frames[0], Hello) and frames[1:] == [Refused(str(error))]
+    assert any(record.name == "tandem.pd" and "protocol versions differ" in record.getMessage()
+               for record in caplog.records)
 
 
 async def test_wrong_role_is_refused_by_name_on_both_sides():
@@ -253,19 +256,19 @@ async def test_a_secret_on_one_side_only_is_refused_on_both_sides(server_secret,
     server_error, client_error = await refused_on_both_sides(prefill_handshake(secret=server_secret),
                                                              secret=client_secret)
     for error in (server_error, client_error):
-        assert error.reason.startswith("no secret") and f"the {holder} node has a --pd-secret" in error.reason
+        assert error.reason.startswith("no secret") and f"the {holder} side has a --pd-secret" in error.reason
 
 
 async def test_a_refusal_from_the_peer_is_raised_with_its_reason():
     async def refusing_prefill(conn):
-        await conn.send(Hello(PROTOCOL_VERSION, "prefill", FP, b""))
+        await conn.send(Hello("prefill", FP, b""))
         await conn.send(Refused("prefill node is draining"))
         return await conn.recv(timeout=WAIT)            # the decode side's Hello
 
     async with prefill_server(refusing_prefill) as server:
         conn, error = await decode_side(server.port)
         await server.outcome()
-    assert isinstance(error, HandshakeRefused) and error.by_peer
+    assert isinstance(error, Refusal) and error.by_peer
     assert error.reason == "prefill node is draining" and conn.closed
 
 
@@ -277,7 +280,7 @@ async def test_a_silent_peer_is_refused_after_the_timeout():
         elapsed = time.monotonic() - started
         _, error = await server.outcome()
         writer.close()
-    assert isinstance(error, HandshakeRefused) and error.reason == "no Hello from the peer within 0.3 s"
+    assert isinstance(error, Refusal) and error.reason == "no Hello from the peer within 0.3 s"
     assert isinstance(frames[0], Hello) and frames[1:] == [Refused(error.reason)]
     assert 0.25 < elapsed < 1.5
 
@@ -285,10 +288,10 @@ async def test_a_silent_peer_is_refused_after_the_timeout():
 # ---- malformed input -------------------------------------------------------------
 
 GARBAGE = {   # what is sent, what the error says
-    "http-request": (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "exceeds the limit"),  # "GET ": 1.2 GB
-    "random-body": (HEADER.pack(64) + random.Random(7).randbytes(64), "undecodable frame"),
-    "random-bytes": (random.Random(8).randbytes(256), "exceeds the limit"),
-    "oversize-length": (HEADER.pack(MAX_FRAME + 1) + b"x" * 16, "exceeds the limit"),
+    "http-request": (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "protocol versions differ"),  # "GE"
+    "random-body": (HEADER.pack(PROTOCOL_VERSION, 64) + random.Random(7).randbytes(64), "undecodable frame"),
+    "random-bytes": (random.Random(8).randbytes(256), "protocol versions differ"),
+    "oversize-length": (HEADER.pack(PROTOCOL_VERSION, MAX_FRAME + 1) + b"x" * 16, "exceeds the limit"),
 }
 
 
@@ -304,7 +307,7 @@ async def test_garbage_closes_that_connection_and_others_keep_working(garbage, e
         bad_conn, outcome = await server.outcome()
         writer.close()
         assert isinstance(outcome, ProtocolError) and bad_conn.closed
-        assert frames == [Hello(PROTOCOL_VERSION, "prefill", FP, b"")]
+        assert frames == [Hello("prefill", FP, b""), Refused(str(outcome))]     # told why, then closed
         assert error_says in str(outcome)
         await assert_serves(good, "still-here")
     assert any(record.name == "tandem.pd" and str(outcome) in record.getMessage() for record in caplog.records)
@@ -319,8 +322,8 @@ async def test_a_message_of_the_wrong_direction_is_a_protocol_error():
         await bad.send(KvLayer("r", 0, 1, 0, "target", to_wire(torch.zeros(2, 1, 2, 4))))
         _, outcome = await server.outcome()
         assert isinstance(outcome, ProtocolError) and "undecodable frame" in str(outcome)
-        with pytest.raises(PeerClosed):
-            await bad.recv(timeout=WAIT)
+        with pytest.raises(Refusal, match="undecodable frame"):
+            await bad.recv(timeout=WAIT)                      # the server's Refused names what was wrong
         await assert_serves(good, "still-here")
 
 
@@ -329,7 +332,8 @@ async def test_eof_raises_peer_closed_between_and_inside_frames():
         return await conn.recv(timeout=WAIT)
 
     async with prefill_server(recv_once) as server:
-        for payload, where in [(b"", "between frames"), (HEADER.pack(10) + b"abc", "in the middle of a frame")]:
+        cut_short = HEADER.pack(PROTOCOL_VERSION, 10) + b"abc"
+        for payload, where in [(b"", "between frames"), (cut_short, "in the middle of a frame")]:
             _, writer = await raw_connect(server.port)
             writer.write(payload)
             writer.close()
@@ -356,7 +360,7 @@ async def test_heartbeats_keep_an_idle_connection_alive_past_the_silence_timeout
         pinger = asyncio.create_task(conn.keepalive(interval))
         try:
             msg = await conn.recv(timeout=3 * interval)      # only Pongs come for a while
-            await conn.send(Busy(msg.room, "test"))
+            await conn.send(Busy(msg.rid, "test"))
             return msg
         finally:
             pinger.cancel()
@@ -542,7 +546,7 @@ def test_a_node_s_fingerprint_covers_its_weight_quantization():
 
     from engine.args import parse_args
     from server.pd.fingerprint import node_fingerprint
-    readies = [SimpleNamespace(dtype="float32")]
+    readies = [SimpleNamespace(dtype="float32", kv_dtype="float32", draft_weights=None)]
     plain = node_fingerprint(parse_args(["--speculative-algorithm", "none"]), readies)
     int8 = node_fingerprint(parse_args(["--speculative-algorithm", "none", "--quantization", "int8"]), readies)
     assert plain != int8 and plain == node_fingerprint(parse_args(["--speculative-algorithm", "none"]), readies)

@@ -16,7 +16,6 @@ from typing import AsyncIterator
 from engine.args import ServerArgs
 from engine.messages import PrefillReserved, SamplingParams, TokenDelta
 from server.engine_client import EngineDead, EngineFailed
-from server.pd.convert import to_rank
 from server.pd.fingerprint import node_fingerprint
 from server.pd.prefill_links import PrefillFailed, PrefillLinks
 from server.rank_client import RankEngineClient
@@ -64,6 +63,6 @@ class DecodeEngineClient(RankEngineClient):
             raise EngineDead("no prefill node is reachable")
         try:
             async for msg in self.prefill.prefill(rid, input_ids, params):
-                self.send(rid, to_rank(msg, rid))
+                self.send(rid, msg)
         except PrefillFailed as exc:
             raise EngineFailed(f"prefill failed: {exc}") from None

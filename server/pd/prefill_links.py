@@ -14,11 +14,12 @@ import logging
 from typing import AsyncIterator
 
 from engine.args import ServerArgs
-from engine.messages import SamplingParams
-from server.pd.messages import AbortRoom, Busy, KvLayer, PrefillDone, PrefillRequest, RoomDone, RoomFailed, ToDecode
+from engine.framing import Connection
+from engine.handshake import handshake
+from engine.messages import KvLayer, PrefillDone, SamplingParams
+from server.pd.messages import AbortRoom, Busy, PrefillRequest, RoomDone, RoomFailed, ToDecode
 from server.pd.rooms import PdStats
-from server.pd.transport import TcpTransport, transport
-from server.pd.wire import PdConnection, handshake
+from server.pd.transport import TcpTransport, pd_connection, transport
 
 log = logging.getLogger("tandem.pd")
 CONNECT_TIMEOUT_S = 5.0
@@ -42,7 +43,7 @@ class PrefillLink:
         self.transport = transport or TcpTransport()
         host, _, port = addr.rpartition(":")
         self.host, self.port = host, int(port)
-        self.conn: PdConnection | None = None
+        self.conn: Connection | None = None
         self.rooms: dict[str, asyncio.Queue] = {}
         self.tokens = 0                   # prompt tokens of its rooms in flight
         self.connected = asyncio.Event()
@@ -68,7 +69,7 @@ class PrefillLink:
 
     async def connect(self) -> None:
         reader, writer = await asyncio.wait_for(self.transport.connect(self.host, self.port), CONNECT_TIMEOUT_S)
-        conn = PdConnection(reader, writer, ToDecode)
+        conn = pd_connection(reader, writer, ToDecode)
         try:
             await handshake(conn, "decode", self.fingerprint, self.secret, HANDSHAKE_TIMEOUT_S)
         except ConnectionError:
@@ -83,7 +84,7 @@ class PrefillLink:
         try:
             while True:
                 msg = await self.conn.recv()
-                queue = self.rooms.get(msg.room)
+                queue = self.rooms.get(msg.rid)
                 if queue is not None:
                     queue.put_nowait(msg)
         finally:

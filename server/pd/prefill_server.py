@@ -17,15 +17,14 @@ import contextlib
 import logging
 
 from engine.args import ServerArgs
-from engine.messages import KvLayer as RankKvLayer
-from engine.messages import PrefillDone as RankPrefillDone
+from engine.framing import Connection
+from engine.handshake import handshake
+from engine.messages import KvLayer, PrefillDone
 from server.engine_client import EngineDead, EngineFailed, EngineRejected
-from server.pd.convert import to_pd
 from server.pd.fingerprint import node_fingerprint
 from server.pd.messages import AbortRoom, Busy, PrefillRequest, RoomDone, RoomFailed, ToPrefill
 from server.pd.rooms import PdStats
-from server.pd.transport import transport
-from server.pd.wire import PdConnection, handshake
+from server.pd.transport import pd_connection, transport
 from server.rank_client import RankEngineClient
 
 log = logging.getLogger("tandem.pd")
@@ -55,7 +54,7 @@ class PrefillServer:
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.peers.add(asyncio.current_task())
-        conn = PdConnection(reader, writer, ToPrefill)
+        conn = pd_connection(reader, writer, ToPrefill)
         try:
             await handshake(conn, "prefill", self.fingerprint, self.secret, HANDSHAKE_TIMEOUT_S)
         except ConnectionError as exc:
@@ -73,7 +72,7 @@ class PrefillServer:
 class DecodePeer:
     """One decode node's connection and its rooms."""
 
-    def __init__(self, server: PrefillServer, conn: PdConnection):
+    def __init__(self, server: PrefillServer, conn: Connection):
         self.server, self.conn = server, conn
         self.rooms: dict[str, asyncio.Task] = {}
 
@@ -93,23 +92,23 @@ class DecodePeer:
 
     def handle(self, msg) -> None:
         if isinstance(msg, PrefillRequest):
-            if msg.room in self.rooms:
-                self.conn.send_nowait(RoomFailed(msg.room, f"room {msg.room!r} is already open"))
+            if msg.rid in self.rooms:
+                self.conn.send_nowait(RoomFailed(msg.rid, f"room {msg.rid!r} is already open"))
                 return
             task = asyncio.create_task(self.room(msg))
-            self.rooms[msg.room] = task
-            task.add_done_callback(lambda _, room=msg.room: self.rooms.pop(room, None))
+            self.rooms[msg.rid] = task
+            task.add_done_callback(lambda _, room=msg.rid: self.rooms.pop(room, None))
         elif isinstance(msg, AbortRoom):
-            task = self.rooms.get(msg.room)
+            task = self.rooms.get(msg.rid)
             if task is not None:
-                log.info("room %s aborted by the decode node: %s", msg.room, msg.reason)
+                log.info("room %s aborted by the decode node: %s", msg.rid, msg.reason)
                 task.cancel()
         elif isinstance(msg, RoomDone):
             pass                               # the rank kept nothing past the copy; the room is over here
 
     async def room(self, msg: PrefillRequest) -> None:
         stats = self.server.stats
-        entry = stats.open(msg.room)
+        entry = stats.open(msg.rid)
         stats.advance(entry, "waiting")
         try:
             async with asyncio.timeout(self.server.args.disaggregation_timeout):
@@ -124,15 +123,15 @@ class DecodePeer:
             stats.close(entry, "failed", reason)
             busy = isinstance(exc, (EngineRejected, EngineDead)) and getattr(exc, "status", 503) == 503
             with contextlib.suppress(ConnectionError):
-                self.conn.send_nowait((Busy if busy else RoomFailed)(msg.room, reason))
+                self.conn.send_nowait((Busy if busy else RoomFailed)(msg.rid, reason))
         except ConnectionError as exc:
             stats.close(entry, "failed", f"connection lost: {exc}")
 
     async def stream(self, msg: PrefillRequest, entry) -> None:
         stats = self.server.stats
-        async for item in self.server.engine.generate(msg.room, msg.input_ids, msg.params, mode="prefill"):
-            if isinstance(item, RankKvLayer):
-                stats.moved(entry, len(item.block.data))
-            elif not isinstance(item, RankPrefillDone):
+        async for item in self.server.engine.generate(msg.rid, msg.input_ids, msg.params, mode="prefill"):
+            if isinstance(item, KvLayer):
+                stats.moved(entry, len(item.data.data))
+            elif not isinstance(item, PrefillDone):
                 continue
-            await self.conn.send(to_pd(item, msg.room))
+            await self.conn.send(item)          # the rank's own message: its rid is the room
