@@ -45,6 +45,18 @@ def test_dp_attention_flags_are_checked():
             parse_args(bad)
 
 
+def test_ranks_across_hosts_need_a_rank_secret(capsys):
+    """Node 0's rank port listens on the network: without a --rank-secret anyone could join as a rank."""
+    from pathlib import Path
+    moe = str(Path(__file__).resolve().parent.parent / "models" / "tandem-moe")
+    multi = ["--model-path", moe, "--enable-dp-attention", "--dp-size", "2", "--nnodes", "2",
+             "--dist-init-addr", "127.0.0.1:5000"]
+    with pytest.raises(SystemExit):
+        parse_args(multi)
+    assert "--nnodes > 1 needs --rank-secret" in capsys.readouterr().err
+    assert parse_args([*multi, "--rank-secret", "s"]).rank_secret == "s"
+
+
 def test_experts_split_evenly_over_the_ranks():
     from engine.dp import expert_range
     assert [expert_range(8, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 8)]

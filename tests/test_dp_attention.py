@@ -112,7 +112,8 @@ async def test_dp_attention_across_two_hosts_equals_one_process(tmp_path):
     with running_server(BASE + ALGORITHMS["none"], tmp_path / "one.log") as one:
         expected = await http_outputs(one.url, ids)
     addr = f"127.0.0.1:{free_port(span=2)}"              # node 0 takes the other hosts' ranks on port + 1
-    multi = [*BASE, *DP, *ALGORITHMS["none"], "--dp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    multi = [*BASE, *DP, *ALGORITHMS["none"], "--dp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
+             "--rank-secret", "shared-by-both-hosts"]
     node1 = Server([*multi, "--node-rank", "1"], tmp_path / "node1.log")
     try:
         with running_server([*multi, "--node-rank", "0"], tmp_path / "node0.log") as node0:
