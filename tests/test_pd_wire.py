@@ -552,6 +552,42 @@ def test_a_node_s_fingerprint_covers_its_weight_quantization():
     assert plain != int8 and plain == node_fingerprint(parse_args(["--speculative-algorithm", "none"]), readies)
 
 
+def test_the_kv_dtype_the_draft_s_quantization_and_the_token_map_count(folders, tmp_path):
+    """What gives the KV bytes and the draft state their meaning: the KV cache's dtype, the draft's own
+    weights (it writes the draft KV) and the token map (the draft state indexes it)."""
+    token_map, other_map = tmp_path / "map.pt", tmp_path / "other.pt"
+    token_map.write_bytes(b"ids 1 2 3")
+    other_map.write_bytes(b"ids 1 2 4")
+    base = fingerprint(folders)
+    assert model_fingerprint(folders["target"], "bfloat16", 1, "eagle", 4, folders["eagle"], None,
+                             kv_dtype="bfloat16", draft_quantization="none") == base     # the defaults spelled out
+    variants = [model_fingerprint(folders["target"], "bfloat16", 1, "eagle", 4, folders["eagle"], None, **options)
+                for options in ({"kv_dtype": "float32"}, {"draft_quantization": "int8"},
+                                {"draft_quantization": "w8a8_int8"}, {"token_map": str(token_map)},
+                                {"token_map": str(other_map)})]
+    assert base not in variants and len(set(variants)) == len(variants)
+    plain = model_fingerprint(folders["target"], "bfloat16", 1, "none", 0, None)
+    assert plain == model_fingerprint(folders["target"], "bfloat16", 1, "none", 0, None, token_map=str(token_map),
+                                      draft_quantization="int8")          # no speculation: no draft state to mean
+
+
+def test_a_node_s_fingerprint_covers_what_its_ranks_resolved():
+    """The ranks resolve the KV dtype and the draft's quantization (its auto depends on the CPU): two
+    nodes with the same flags that resolved them differently must not pair."""
+    from types import SimpleNamespace
+
+    from engine.args import parse_args
+    from server.pd.fingerprint import node_fingerprint
+    args = parse_args(["--speculative-algorithm", "eagle"])
+
+    def ready(**resolved):
+        return [SimpleNamespace(**{"dtype": "float32", "kv_dtype": "float32", "draft_weights": None, **resolved})]
+    base = node_fingerprint(args, ready())
+    assert base == node_fingerprint(args, ready(kv_dtype=""))             # "": the KV is in the model's dtype
+    assert base != node_fingerprint(args, ready(kv_dtype="bfloat16"))
+    assert base != node_fingerprint(args, ready(draft_weights="int8"))
+
+
 def test_without_speculation_the_chain_length_and_draft_do_not_count(folders):
     assert fingerprint(folders, algo="none", steps=4, draft=None) == fingerprint(folders, algo="none", steps=7,
                                                                                 draft="eagle")
