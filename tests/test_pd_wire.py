@@ -1,7 +1,6 @@
 """The prefill/decode link (engine/framing.py and engine/handshake.py as server/pd/ uses them): frames,
 heartbeats, the handshake, tensors on the wire and model fingerprints, over real TCP sockets on 127.0.0.1.
-The test server plays the prefill node
-(it receives ToPrefill), clients play decode nodes."""
+The test server plays the prefill node (it receives ToPrefill), clients play decode nodes."""
 from __future__ import annotations
 
 import asyncio
