@@ -192,6 +192,12 @@ class Connection:
 
     async def _read_exactly(self, size: int, timeout: float | None, mid_frame: bool) -> bytes:
         """size bytes; PeerSilent when no byte arrives for timeout s (a large frame may take longer)."""
+        if timeout is None:             # a link without heartbeats: one read, as fast as the stream gives it
+            try:
+                return await self.reader.readexactly(size)
+            except asyncio.IncompleteReadError as exc:
+                where = "in the middle of a frame" if exc.partial or mid_frame else "between frames"
+                raise PeerClosed(f"{self.peer} closed the connection {where}") from None
         got = bytearray()
         while len(got) < size:
             try:

@@ -12,8 +12,8 @@ from contextlib import asynccontextmanager
 import msgspec
 import pytest
 
-from engine.framing import (HEADER, PROTOCOL_VERSION, Connection, Hello, PeerSilent, Ping, ProtocolError, Refusal,
-                            Refused, decoder_of, encode_frame)
+from engine.framing import (HEADER, PROTOCOL_VERSION, Connection, Hello, PeerClosed, PeerSilent, Ping, ProtocolError,
+                            Refusal, Refused, decoder_of, encode_frame)
 from engine.handshake import PROOF_LABEL, handshake, hello_mismatch, proof_mac
 from engine.messages import AbortRequest, FromRank, RankReady, ToRank
 
@@ -158,3 +158,16 @@ def test_the_proof_is_an_hmac_of_both_nonces_bound_to_the_role():
 def test_encode_frame_names_any_version():
     frame = encode_frame(Ping(), version=7)
     assert HEADER.unpack(frame[:HEADER.size]) == (7, len(frame) - HEADER.size)
+
+
+@pytest.mark.parametrize("heartbeat_interval", [None, 5.0], ids=["without-heartbeats", "with-heartbeats"])
+async def test_eof_is_peer_closed_between_and_inside_frames(heartbeat_interval):
+    for payload, where in [(b"", "between frames"), (HEADER.pack(PROTOCOL_VERSION, 10) + b"abc",
+                                                     "in the middle of a frame")]:
+        async with socket_pair() as (served, client):
+            conn = Connection(*served, FromRank, kind="rank", heartbeat_interval=heartbeat_interval)
+            client[1].write(payload)
+            client[1].close()
+            with pytest.raises(PeerClosed, match=where):
+                await asyncio.wait_for(conn.recv(), WAIT)
+            assert conn.closed
