@@ -82,7 +82,7 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
         raise SystemExit(4) from None
     finally:
         device.close()
-        channel.close()
+        channel.close("the rank stopped")
         if dp is not None:
             dp.close()
 

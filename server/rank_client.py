@@ -329,7 +329,7 @@ class RankEngineClient(EngineClient):
 
     def take_down(self, link: RankLink, why: str) -> None:
         link.alive, link.stats = False, None
-        link.channel.close()
+        link.channel.close(why, abort=True)
         for rid, owner in list(self.owner.items()):
             if owner is link and rid in self.streams:
                 self.streams[rid].put_nowait(EngineDead(why))
