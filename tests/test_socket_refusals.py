@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ async def rank_listener(args, connect):
         for server in (client.server, client.remote_server):
             if server is not None:
                 server.close()
+        shutil.rmtree(client.socket_dir, ignore_errors=True)
 
 
 def rank_socket():
@@ -185,3 +187,4 @@ async def test_a_rank_started_with_another_secret_cannot_join(secret, reason):
         conn.close("test over")
     finally:
         client.server.close()
+        shutil.rmtree(client.socket_dir, ignore_errors=True)
