@@ -94,6 +94,8 @@ class ServerArgs:
     context_length: int | None = flag(None, "Longest prompt + output (default: the model's max_position_embeddings).")
     disable_overlap_schedule: bool = flag(False, "Finish each batch before scheduling the next (no CPU/device "
                                                  "overlap).")
+    disable_radix_cache: bool = flag(False, "Keep no KV past its request: every prompt is computed from its "
+                                            "first token (the radix prefix cache is on by default).")
     api_key: str | None = flag(None, "Require `Authorization: Bearer <key>` on every API request.")
     log_level: str = flag("info", "Logging level.", ["debug", "info", "warning", "error"])
     trace_file: str | None = flag(None, "Write a Chrome trace (open in Perfetto) of scheduling, launch, device "

@@ -51,6 +51,9 @@ class DecodePolicy:
             sched.feed(batch, req, 1, decode=True)
         return False
 
+    def on_cached(self, req: Request, length: int) -> None:
+        """An admitted request found positions [0, length) in the prefix cache: its prefill starts there."""
+
     def on_fed(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         """A prompt chunk (or a decode scheduled as one) was fed into a prefill batch."""
 

@@ -70,7 +70,7 @@ def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer
     future_slots = 2 * args.max_running_requests + 2        # two batches of outputs in flight
     runner = ModelRunner(args, device, future_slots, dp)
     device.order_after_setup()
-    pool = KVPool(runner.num_slots, args.page_size, runner.num_rows)
+    pool = KVPool(runner.num_slots, args.page_size, runner.num_rows, cache=not args.disable_radix_cache)
     scheduler = Scheduler(scheduler_config(args, runner, future_slots), pool, eos_ids, decode_policy(args, runner))
     return EngineCore(scheduler, runner, args.enable_overlap, tracer, dp)
 

@@ -278,6 +278,12 @@ class SpeculativeDecoding(DecodePolicy):
 
     # ---- prefill batches -------------------------------------------------------------
 
+    def on_cached(self, req: Request, length: int) -> None:
+        """The cached pages hold the draft's K/V too (same slots): its draft has read them. (Where the
+        request that left them had skipped some, its drafts there are poorer, never wrong: the verify
+        decides.)"""
+        req.decode.draft_end = length
+
     def on_fed(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         """The draft reads token t+1 at position t; a last chunk's is sampled."""
         end = seq.start + seq.q_len
