@@ -221,7 +221,7 @@ class Rank:
             rid=req.rid, token_ids=new, logprobs=logprobs, top_logprobs=top,
             finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
-            spec_verify_ct=self.scheduler.policy.verify_steps(req)))
+            spec_verify_ct=self.scheduler.policy.verify_steps(req), cached_tokens=req.cached_tokens))
         req.sent = len(req.output_ids)
 
     def report(self) -> None:
