@@ -139,9 +139,11 @@ class ServerArgs:
                                             "and KV (data-parallel attention) and split the experts (expert-parallel "
                                             "MoE), stepping in lockstep over torch.distributed.")
     load_balance_method: str = flag("shortest_queue", "How the front picks a rank for a request: round_robin, the "
-                                                      "one with the fewest requests (shortest_queue) or the fewest "
-                                                      "tokens in flight (total_tokens).",
-                                    ["round_robin", "shortest_queue", "total_tokens"])
+                                                      "one with the fewest requests (shortest_queue), the fewest "
+                                                      "tokens in flight (total_tokens), or the one whose prefix "
+                                                      "cache likely holds the prompt's start, balanced against load "
+                                                      "(cache_aware).",
+                                    ["round_robin", "shortest_queue", "total_tokens", "cache_aware"])
     nnodes: int = flag(1, "DP attention across hosts: how many hosts run the group's ranks (--dp-size in all).")
     node_rank: int = flag(0, "DP attention across hosts: this host's index (0 runs the HTTP front).")
     dist_init_addr: str | None = flag(None, "DP attention: HOST:PORT of the group's rendezvous (rank 0's host); "
