@@ -245,7 +245,7 @@ class Scheduler:
         to the cache first (the tree keeps those it lacked); the cached pages it read are unlocked."""
         cache, pages = self.pool.cache, req.pages
         if cache is not None:
-            full = min(req.written, req.known_len - 1) // self.pool.page_size if keep else 0
+            full = min(self.policy.cacheable(req), req.known_len - 1) // self.pool.page_size if keep else 0
             full = max(full, len(req.cache_path))
             spare = cache.insert(req.all_ids, pages[:full])
             cache.unlock(req.cache_path)

@@ -244,3 +244,19 @@ def test_a_speculative_draft_starts_where_the_cache_ends():
     req = sched.requests["a"]
     assert batch.seqs[0].start == 29 and req.decode.draft_end == 39 and not batch.spec.draft_skip
     assert req.status is Status.RUNNING and req.decode.draft_lag == 0 and req.cached_tokens == 29
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_pages_whose_draft_state_is_stale_stay_out_of_the_cache(speculative):
+    """A request that ends with its first token: its draft never reads the prompt (spec/policy.py's
+    no_decode), so with a draft its pages would carry stale draft K/V, and a seeded request reading them
+    would draw other tokens than it would alone: they are not cached. Without a draft they are."""
+    policy = SpeculativeDecoding(spec_tokens=4) if speculative else None
+    sched = make(num_slots=512, page_size=1, policy=policy)
+    device = KvDevice()
+    sched.add("one", list(range(1, 30)), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    while sched.has_work:
+        batch = sched.schedule()
+        sched.process(batch, device.run(batch))
+    assert sched.pool.cache.pages == (0 if speculative else 29)
+    assert sched.pool.used_slots == 0 and sched.pool.free_count == sched.pool.num_pages
