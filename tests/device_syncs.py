@@ -8,6 +8,9 @@ built, Python numbers). PRETEND is the CPU with an index: torch runs it as the C
 device that is not `cpu` (to_device moves the sampling parameters; free_host_reads is off, so steps
 keep the fixed shapes they keep on CUDA), and this mode tells the two apart by the device asked for.
 
+What it cannot see: a tensor's `.device` is still the CPU, so a host tensor moved to "where x is"
+(`.to(x.device)`) stays a host tensor here, and reads of it go uncounted.
+
     syncs = HostSyncs()
     with syncs:                                # setup: the engine's state is made on PRETEND
         core = build_core(args, PretendAccelerator(syncs), ...)
