@@ -20,6 +20,7 @@ from engine.core import EngineCore, Finished
 from engine.kv_pool import KVPool
 from engine.dp import DpGroup
 from engine.disagg import PrefillExporter, RemoteKv, prefill_params
+from engine.graph_capture import capture_graphs
 from engine.messages import (AbortRequest, AddRequest, GateEstimate, KvLayer, PrefillDone, RankStats,
                              RequestFailed, RequestRejected, Shutdown, TokenDelta)
 from engine.model_runner import ModelRunner
@@ -69,6 +70,7 @@ def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer
     """The model runner, KV pool, decode policy and scheduler of one rank, wired as the rank runs them."""
     future_slots = 2 * args.max_running_requests + 2        # two batches of outputs in flight
     runner = ModelRunner(args, device, future_slots, dp)
+    capture_graphs(runner)
     device.order_after_setup()
     pool = KVPool(runner.num_slots, args.page_size, runner.num_rows, cache=not args.disable_radix_cache)
     scheduler = Scheduler(scheduler_config(args, runner, future_slots), pool, eos_ids, decode_policy(args, runner))
