@@ -5,7 +5,7 @@ and gather the check's results into one JSON file.
     python bench/gpu_check.py make-model --out /tmp/tiny --hidden 64 --layers 2 --heads 4 --kv-heads 2 \\
         --intermediate 128
     python bench/gpu_check.py summarize --junit junit.xml --tests-rc 0 --compare compare.jsonl \\
-        --bench-rc 0 --model /tmp/llama-1b --out gpu_check.json
+        --bench-rc 0 --dp dp_check.json --dp-rc 0 --model /tmp/llama-1b --out gpu_check.json
 
 The model borrows the embedded model's tokenizer (its vocabulary sets vocab_size), so the load tools
 make prompts for it as for the embedded models.
@@ -120,6 +120,16 @@ def bench_results(compare: Path | None, rc: int | None) -> dict:
     return result
 
 
+def dp_results(path: Path | None, rc: int | None) -> dict:
+    """bench/dp_check.py's result: which backend ran DP attention on one GPU, and whether its output equals
+    one engine's."""
+    result: dict = {"rc": rc}
+    if path is None or not path.exists() or not path.read_text().strip():
+        result["note"] = "no dp_check.py result (it did not run or was killed)"
+        return result
+    return {**result, **json.loads(path.read_text())}
+
+
 def environment() -> dict:
     info: dict = {"python": sys.version.split()[0]}
     try:
@@ -143,6 +153,7 @@ def summarize(args) -> int:
                "tests": test_results(Path(args.junit) if args.junit else None, args.tests_rc),
                "benchmark": {"model": config, **bench_results(Path(args.compare) if args.compare else None,
                                                               args.bench_rc)},
+               "dp_attention": dp_results(Path(args.dp) if args.dp else None, args.dp_rc),
                "seconds": args.seconds}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("--tests-rc", type=int)
     summary.add_argument("--compare", help="compare.py's --output-file.")
     summary.add_argument("--bench-rc", type=int)
+    summary.add_argument("--dp", help="bench/dp_check.py's --out file.")
+    summary.add_argument("--dp-rc", type=int)
     summary.add_argument("--model", help="The benchmarked model's folder (its config goes in the summary).")
     summary.add_argument("--seconds", type=float, help="The whole check's wall time.")
     return parser

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The prepared check for a machine with a CUDA GPU, in under 8 minutes:
+# The prepared check for a machine with a CUDA GPU, in under 10 minutes:
 #   1. the CUDA-marked tests: graphs on and off for every speculative algorithm, lossless against plain
 #      greedy decoding (tests/test_cuda_graphs.py), and overlapped EAGLE (tests/test_cuda_engine.py);
 #   2. decode tok/s at concurrency 1 and 16, graphs on (the default) and off (--disable-cuda-graph), on a
 #      Llama-shaped model of ~1B parameters with random weights made on the spot (bench/compare.py);
-#   3. everything in one JSON file: $OUT/gpu_check.json when $OUT is set, else bench/results/gpu_check.json
+#   3. DP attention across two processes on the one GPU (bench/dp_check.py): NCCL where it allows two ranks
+#      on one device, else gloo beside CUDA tensors (the JSON says which, and why), output against one engine;
+#   4. everything in one JSON file: $OUT/gpu_check.json when $OUT is set, else bench/results/gpu_check.json
 #      (the logs beside it, in gpu_check_logs/).
 #
 #   bash bench/gpu_check.sh
@@ -20,13 +22,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RESULT_DIR=${OUT:-bench/results}
 START=$(date +%s)
-TESTS_RC="" BENCH_RC=""
+TESTS_RC="" BENCH_RC="" DP_RC=""
 
 log() { echo "[gpu_check $(( $(date +%s) - START ))s] $*"; }
 
 summarize() {
   "$PY" bench/gpu_check.py summarize --out "$RESULT_DIR/gpu_check.json" --junit "$WORK/junit.xml" \
     ${TESTS_RC:+--tests-rc "$TESTS_RC"} --compare "$WORK/compare.jsonl" ${BENCH_RC:+--bench-rc "$BENCH_RC"} \
+    --dp "$WORK/dp_check.json" ${DP_RC:+--dp-rc "$DP_RC"} \
     --model "$WORK/llama-1b" --seconds "$(( $(date +%s) - START ))"
   mkdir -p "$RESULT_DIR/gpu_check_logs"
   cp -r "$WORK"/*.log "$WORK/servers" "$RESULT_DIR/gpu_check_logs/" 2>/dev/null || true
@@ -80,6 +83,13 @@ timeout 190 "$PY" bench/compare.py --model-path "$WORK/llama-1b" \
 BENCH_RC=${PIPESTATUS[0]}
 log "benchmark exit code $BENCH_RC"
 
+# ---- 3. DP attention: two ranks in two processes on the one GPU ---------------------------------
+log "DP attention across two processes"
+timeout 120 "$PY" bench/dp_check.py --device cuda --timeout 45 --out "$WORK/dp_check.json" 2>&1 \
+  | tee "$WORK/dp.log" | tail -5
+DP_RC=${PIPESTATUS[0]}
+log "DP attention exit code $DP_RC"
+
 summarize
 cat "$RESULT_DIR/gpu_check.json"
-[ "$TESTS_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
+[ "$TESTS_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$DP_RC" = 0 ]

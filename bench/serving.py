@@ -24,10 +24,15 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+try:
+    from bench import prefix_datasets
+except ImportError:         # run as a script: its folder is on sys.path, the repository may not be
+    import prefix_datasets  # type: ignore[no-redef]
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TOKENIZER = str(REPO / "models" / "tandem-dense")
 BACKENDS = ("tandem", "sglang", "vllm", "openai", "openai-chat")
-DATASETS = ("random", "prompts", "code")
+DATASETS = ("random", "prompts", "code", "generated-shared-prefix", "multi-turn")
 
 
 # ---- requests and their results ------------------------------------------------
@@ -37,6 +42,7 @@ class Request:
     prompt: str
     prompt_len: int
     output_len: int
+    turns: list[tuple[str, int]] = field(default_factory=list)   # multi-turn: later questions, output lens
 
 
 @dataclass
@@ -136,7 +142,11 @@ def code_requests(args, tokenizer) -> list[Request]:
 
 
 def build_requests(args, tokenizer) -> list[Request]:
-    makers = {"random": random_requests, "prompts": prompts_requests, "code": code_requests}
+    def make(prompt: str, output_len: int) -> Request:
+        return Request(prompt, count_tokens(tokenizer, prompt), output_len)
+    makers = {"random": random_requests, "prompts": prompts_requests, "code": code_requests,
+              "generated-shared-prefix": lambda a, t: prefix_datasets.shared_prefix_requests(a, t, make),
+              "multi-turn": lambda a, t: prefix_datasets.multi_turn_requests(a, t, make)}
     return makers[args.dataset_name](args, tokenizer)
 
 
@@ -313,6 +323,7 @@ async def run_benchmark(args, verbose: bool = True, requests: list[Request] | No
         if args.backend in ("vllm", "openai", "openai-chat") and not args.model:
             args.model = await resolve_model(session, args)
         await warm_up(session, args, requests, verbose)
+        await flush_cache(session, args)
         pd_before = await scrape_pd_pair(session, args)
         results, start, duration = await run_requests(session, args, requests)
         pd_after = await scrape_pd_pair(session, args)
@@ -332,6 +343,31 @@ async def run_benchmark(args, verbose: bool = True, requests: list[Request] | No
     if args.plot:
         plot(args.plot, results, start, metrics)
     return metrics
+
+
+async def flush_cache(session: aiohttp.ClientSession, args) -> None:
+    """Empty Tandem's (or SGLang's) prefix cache before the measured requests, as SGLang's benchmark does:
+    the warm-up's prompt (and an earlier round's) must not be found there. Other servers: nothing."""
+    if args.backend not in ("tandem", "sglang"):
+        return
+    try:
+        async with session.post(args.base_url.rstrip("/") + "/flush_cache", headers=args.headers) as response:
+            await response.read()
+    except aiohttp.ClientError:
+        pass
+
+
+async def send_conversation(session: aiohttp.ClientSession, args, request: Request) -> list[RequestResult]:
+    """A multi-turn conversation: each turn sends the conversation so far and its question, after the
+    answer before it; a failed turn ends the conversation."""
+    results = [await send_request(session, args, request)]
+    history = request.prompt
+    for question, output_len in request.turns:
+        if not results[-1].success:
+            break
+        history += results[-1].text + question
+        results.append(await send_request(session, args, Request(history, 0, output_len)))
+    return results
 
 
 async def warm_up(session: aiohttp.ClientSession, args, requests: list[Request], verbose: bool) -> None:
@@ -355,20 +391,20 @@ async def run_requests(session: aiohttp.ClientSession, args,
         from tqdm import tqdm
         bar = tqdm(total=len(requests), desc=f"{args.backend}", file=sys.stderr)
 
-    async def limited(request: Request) -> RequestResult:
+    async def limited(request: Request) -> list[RequestResult]:
         if semaphore is None:
-            result = await send_request(session, args, request)
+            results = await send_conversation(session, args, request)
         else:
             async with semaphore:
-                result = await send_request(session, args, request)
+                results = await send_conversation(session, args, request)
         if bar is not None:
             bar.update(1)
-        return result
+        return results
 
     start = time.perf_counter()
     schedule = arrivals(requests, args.request_rate, random.Random(args.seed))
     tasks = [asyncio.create_task(limited(r)) async for r in schedule]
-    results = await asyncio.gather(*tasks)
+    results = [result for turns in await asyncio.gather(*tasks) for result in turns]
     duration = time.perf_counter() - start
     if bar is not None:
         bar.close()
@@ -627,7 +663,9 @@ def plot(path: str, results: list[RequestResult], start: float, metrics: dict) -
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared with bench/compare.py and bench/baseline_hf.py (same defaults, so the same prompts)."""
     parser.add_argument("--dataset-name", choices=DATASETS, default="code",
-                        help="random: random token ids; prompts: a JSONL file; code: cuts of local Python sources.")
+                        help="random: random token ids; prompts: a JSONL file; code: cuts of local Python sources; "
+                             "generated-shared-prefix, multi-turn: prompts that share prefixes "
+                             "(bench/prefix_datasets.py).")
     parser.add_argument("--dataset-path", default=None,
                         help="JSONL file for `prompts` ({\"prompt\", \"output_len\"?}); source folder for `code` "
                              "(default: the Python standard library).")
@@ -639,6 +677,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="Seed of the dataset and the arrivals.")
     parser.add_argument("--tokenizer", default=None,
                         help="Tokenizer folder (default: --model if it is a folder, else models/tandem-dense).")
+    prefix_datasets.add_args(parser)
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:

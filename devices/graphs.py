@@ -91,7 +91,7 @@ class GraphSettings:
 
     def describe(self) -> str:
         """For the start-up log line."""
-        return f"{self.backend} graphs, capture sizes {list(self.sizes)} (each captured on first use)"
+        return f"{self.backend} graphs, capture sizes {list(self.sizes)} (captured at start-up)"
 
 
 def graph_settings(backend: str, disabled: bool, enable_cpu: bool, listed: tuple[int, ...], max_bs: int | None,
@@ -110,6 +110,11 @@ class Captured:
     handle: Any
     inputs: dict[str, torch.Tensor]
     outputs: dict[str, torch.Tensor]
+
+
+def item_shapes(inputs: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Each input's per-item shape (past the leading item axis)."""
+    return {name: tuple(value.shape[1:]) for name, value in inputs.items()}
 
 
 class GraphRunner(ABC):
@@ -157,7 +162,7 @@ class GraphRunner(ABC):
         size = size or self.settings.size_for(count)
         if size is None or size < count or size not in self.settings.sizes:
             raise ValueError(f"{self.name}: no captured size {size} for {count} rows (sizes {self.settings.sizes})")
-        captured = self.graphs.get((size, key)) or self.capture_new(size, key, inputs)
+        captured = self.graphs.get((size, key)) or self.capture_new(size, key, item_shapes(inputs))
         for name, value in inputs.items():
             view = captured.inputs[name]
             view[:count].copy_(value)
@@ -168,11 +173,20 @@ class GraphRunner(ABC):
         self.padded_rows += size - count
         return {name: view[:count] for name, view in captured.outputs.items()}
 
-    def capture_new(self, size: int, key: Any, example: dict[str, torch.Tensor]) -> Captured:
-        """Capture (size, key) with padding in every row: a first eager run (the warm-up) gives the
-        outputs' shapes, then the backend records the step on the static views."""
+    def capture_ahead(self, keys: dict[Any, dict[str, tuple[int, ...]]]) -> int:
+        """Capture every configured size with every key of `keys` (key -> each input's per-item shape) not
+        captured yet, so that serving finds them ready; how many it captured."""
+        missing = [(size, key) for size in self.settings.sizes for key in keys if (size, key) not in self.graphs]
+        for size, key in missing:
+            self.capture_new(size, key, keys[key])
+        return len(missing)
+
+    def capture_new(self, size: int, key: Any, shapes: dict[str, tuple[int, ...]]) -> Captured:
+        """Capture (size, key) with padding in every row (`shapes`: each input's per-item shape): a first
+        eager run (the warm-up) gives the outputs' shapes, then the backend records the step on the
+        static views."""
         start = time.perf_counter()
-        views = {name: self.view(self.static_in[name], size, value.shape[1:]) for name, value in example.items()}
+        views = {name: self.view(self.static_in[name], size, torch.Size(shape)) for name, shape in shapes.items()}
         for name, view in views.items():
             view.fill_(self.specs[name].pad)
         with self.around():

@@ -94,6 +94,8 @@ class ServerArgs:
     context_length: int | None = flag(None, "Longest prompt + output (default: the model's max_position_embeddings).")
     disable_overlap_schedule: bool = flag(False, "Finish each batch before scheduling the next (no CPU/device "
                                                  "overlap).")
+    disable_radix_cache: bool = flag(False, "Keep no KV past its request: every prompt is computed from its "
+                                            "first token (the radix prefix cache is on by default).")
     api_key: str | None = flag(None, "Require `Authorization: Bearer <key>` on every API request.")
     log_level: str = flag("info", "Logging level.", ["debug", "info", "warning", "error"])
     trace_file: str | None = flag(None, "Write a Chrome trace (open in Perfetto) of scheduling, launch, device "
@@ -137,14 +139,20 @@ class ServerArgs:
                                             "and KV (data-parallel attention) and split the experts (expert-parallel "
                                             "MoE), stepping in lockstep over torch.distributed.")
     load_balance_method: str = flag("shortest_queue", "How the front picks a rank for a request: round_robin, the "
-                                                      "one with the fewest requests (shortest_queue) or the fewest "
-                                                      "tokens in flight (total_tokens).",
-                                    ["round_robin", "shortest_queue", "total_tokens"])
+                                                      "one with the fewest requests (shortest_queue), the fewest "
+                                                      "tokens in flight (total_tokens), or the one whose prefix "
+                                                      "cache likely holds the prompt's start, balanced against load "
+                                                      "(cache_aware).",
+                                    ["round_robin", "shortest_queue", "total_tokens", "cache_aware"])
     nnodes: int = flag(1, "DP attention across hosts: how many hosts run the group's ranks (--dp-size in all).")
     node_rank: int = flag(0, "DP attention across hosts: this host's index (0 runs the HTTP front).")
     dist_init_addr: str | None = flag(None, "DP attention: HOST:PORT of the group's rendezvous (rank 0's host); "
                                             "default: a free local port (one host). The front of node 0 also "
                                             "takes the other nodes' ranks on PORT + 1.")
+    rank_secret: str | None = flag(None, "Ranks: a shared secret every rank must prove it knows to join the front "
+                                         "(HMAC challenge; never sent), or @FILE / a file path holding it. Required "
+                                         "with --nnodes > 1, whose rank port is open to the network; give every host "
+                                         "the same one.")
     cpu_threads: int | None = flag(None, "Torch intra-op threads of a rank's CPU stream, where the model runs "
                                          "(default: the cores per rank); the rank loop itself uses one.")
     disable_cuda_graph: bool = flag(False, "Run every step eagerly: no graph capture on any device (graphs are on by "
@@ -179,10 +187,6 @@ class ServerArgs:
                                                        "the built-in one).")
     pd_secret: str | None = flag(None, "Prefill/decode: a shared secret both nodes must prove they know (HMAC "
                                        "challenge; never sent), or @FILE / a file path holding it.")
-    rank_secret: str | None = flag(None, "Ranks: a shared secret every rank must prove it knows to join the front "
-                                         "(HMAC challenge; never sent), or @FILE / a file path holding it. Required "
-                                         "with --nnodes > 1, whose rank port is open to the network; give every host "
-                                         "the same one.")
     disaggregation_timeout: float = flag(60.0, "Prefill/decode: seconds a request may wait for its prefill node "
                                                "(connecting, prefilling, transferring) before it fails.")
     shutdown_timeout: float = flag(30.0, "On SIGTERM / SIGINT: seconds in-flight requests may still run before "

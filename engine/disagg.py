@@ -52,6 +52,7 @@ class PrefillExporter:
     def __init__(self, core: "EngineCore", channel: "Connection"):
         self.core, self.channel = core, channel
         self.rids: set[str] = set()
+        self.exported: dict[str, int] = {}           # positions of each prompt whose export is launched
         self.started: dict[str, float] = {}          # for the trace: when each prefill arrived
         self.outbox: asyncio.Queue = asyncio.Queue()
         core.launch_observers.append(self.export_chunks)
@@ -61,6 +62,7 @@ class PrefillExporter:
         first token leave for a decode node."""
         self.core.scheduler.requests[rid].exported = True
         self.rids.add(rid)
+        self.exported[rid] = 0
         self.started[rid] = time.perf_counter()
 
     def export_chunks(self, flight: "InFlight") -> None:
@@ -69,16 +71,21 @@ class PrefillExporter:
         for seq in flight.batch.seqs:
             if seq.req.rid not in self.rids or seq.decode:
                 continue                 # (with overlap, a decode of its first token may follow: not exported)
-            slots = pool.slots(seq.req.pages, seq.start, seq.start + seq.q_len)
+            # from where the last export ended: a prompt that began in the prefix cache sends the cached
+            # positions with its first chunk (a retracted one sends again what it recomputes)
+            start, end = min(self.exported[seq.req.rid], seq.start), seq.start + seq.q_len
+            self.exported[seq.req.rid] = end
+            slots = pool.slots(seq.req.pages, start, end)
             row = seq.row if seq.last_chunk else None
             launched = runner.device.launch(lambda row=row, slots=slots: runner.export_chunk(row, slots))
-            self.outbox.put_nowait(ChunkExport(seq.req.rid, seq.start, seq.q_len, launched))
+            self.outbox.put_nowait(ChunkExport(seq.req.rid, start, end - start, launched))
 
     def finished(self, req: Request) -> bool:
         """A prefill-only request has news: its end. Queue its PrefillDone (or let its error through)."""
         if req.rid not in self.rids:
             return False
         self.rids.discard(req.rid)
+        self.exported.pop(req.rid, None)
         started = self.started.pop(req.rid, None)
         if req.finish_reason in ("length", "stop"):
             self.core.tracer.span("transfer", f"prefill out {req.rid}", started, time.perf_counter(),

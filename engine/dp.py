@@ -9,10 +9,11 @@ model calls: ModelRunner.idle_step). The draft's forwards (an EAGLE head, a dens
 and need no agreement.
 
 Inside a forward the ranks' token counts differ: the first MoE layer all-gathers them (on the
-stream), and every MoE layer then pads its rows to the largest count, all-gathers the hidden states,
-applies this rank's experts to every rank's tokens, and sums the partial outputs over the group (an
-all-reduce; gloo has no reduce-scatter), keeping its own rows. A token's top-k experts are summed in
-the same order as on one rank, so greedy output is that of --dp-size 1.
+stream, in tensors where the group's backend takes them: exchange_device), and every MoE layer then
+pads its rows to the largest count, all-gathers the hidden states, applies this rank's experts to
+every rank's tokens, and sums the partial outputs over the group (an all-reduce; gloo has no
+reduce-scatter), keeping its own rows. A token's top-k experts are summed in the same order as on one
+rank, so greedy output is that of --dp-size 1.
 
 With graphs (engine/graph_shape.py) the exchange also carries what each rank's step could replay;
 the group replays a graph only if every rank can, every rank padded to the same size, and then a
@@ -37,6 +38,15 @@ from engine.graph_shape import GraphShape, agreed_graph, encode_for_group
 
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 30
+# Backends whose collectives move device memory only (gloo moves host memory, and CUDA tensors too)
+DEVICE_BACKENDS = {"nccl": "cuda", "hccl": "npu"}
+HOST = torch.device("cpu")
+
+
+def exchange_device(backend: str, device: torch.device) -> torch.device:
+    """Where the forward's own exchanges (the token counts) put their tensors: the rank's device under
+    a backend of device memory (NCCL, HCCL), the host under gloo."""
+    return device if backend in DEVICE_BACKENDS else HOST
 
 
 class GroupBroken(RuntimeError):
@@ -55,8 +65,10 @@ class DpGroup:
     """This rank's place in a DP-attention group: the expert-parallel group (the forward's
     collectives, on the stream) and a CPU group for the per-step exchange (from the loop)."""
 
-    def __init__(self, rank: int, size: int, init_addr: str, backend: str = "gloo"):
+    def __init__(self, rank: int, size: int, init_addr: str, backend: str = "gloo",
+                 device: torch.device = HOST):
         self.rank, self.size = rank, size
+        self.device = exchange_device(backend, device)
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
                                 timeout=timeout)
@@ -118,9 +130,12 @@ class DpGroup:
         if getattr(self.forward, "padded", False):
             self.forward.counts = [num_tokens] * self.size
         else:
-            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-            self.collective(dist.all_gather, counts, torch.tensor([num_tokens], dtype=torch.int64))
-            self.forward.counts = [int(c) for c in counts]
+            # NOTE: a host read of the gathered counts (the MoE layers pad to the largest); graph steps
+            # skip it (padded_forwards)
+            counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
+            mine = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)
+            self.collective(dist.all_gather, counts, mine)
+            self.forward.counts = torch.cat(counts).tolist()
         self.padding_tokens += max(self.forward.counts) - num_tokens
         try:
             yield

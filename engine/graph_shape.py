@@ -36,6 +36,17 @@ def key_width(max_kv: int, page_size: int, table_width: int) -> int:
     return min(table_width, -(-width // page_size) * page_size)
 
 
+def key_widths(page_size: int, table_width: int) -> list[int]:
+    """Every width key_width gives, ascending: what graphs are captured for at start-up."""
+    widths, longest = [], MIN_WIDTH
+    while not widths or widths[-1] < table_width:
+        width = key_width(longest, page_size, table_width)
+        if not widths or width > widths[-1]:
+            widths.append(width)
+        longest *= 2
+    return widths
+
+
 def encode_for_group(shape: GraphShape | None, has_batch: bool) -> list[int]:
     """This rank's entry of the DP exchange: kind code (NO_GRAPH, ANY_GRAPH without a batch), rows,
     chain, width."""

@@ -3,16 +3,33 @@
 The device side (per-layer K/V tensors and the request->slot table) lives in the
 model runner; this class only hands out page and row numbers. Slot of position p
 in a request = pages[p // page_size] * page_size + p % page_size.
+
+Every page is in exactly one place: the free list, a request's `pages` (its own), or the
+radix cache (engine/radix_cache.py; a request that matched a prefix lists the cache's pages
+first in its `pages` but does not own them). Pages the cache holds and no running request
+reads count as free: `grow` takes them back when the free list runs short.
 """
 from __future__ import annotations
 
+from engine.radix_cache import RadixCache
+
 
 class KVPool:
-    def __init__(self, num_slots: int, page_size: int, num_rows: int):
+    def __init__(self, num_slots: int, page_size: int, num_rows: int, cache: bool = False):
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.free_rows = list(range(num_rows - 1, -1, -1))
+        self.cache = RadixCache(page_size) if cache else None
+
+    @property
+    def free_count(self) -> int:
+        """Pages a request can get now: free ones, and those the cache would give back."""
+        return len(self.free_pages) + (self.cache.evictable if self.cache else 0)
+
+    @property
+    def cached_slots(self) -> int:
+        return self.cache.pages * self.page_size if self.cache else 0
 
     @property
     def total_slots(self) -> int:
@@ -20,19 +37,23 @@ class KVPool:
 
     @property
     def used_slots(self) -> int:
-        return (self.num_pages - len(self.free_pages)) * self.page_size
+        """Slots that running requests hold (their own pages and the cached ones they read)."""
+        unread = self.cache.evictable if self.cache else 0
+        return (self.num_pages - len(self.free_pages) - unread) * self.page_size
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
     def can_grow(self, pages: list[int], new_len: int) -> bool:
-        return self.pages_for(new_len) - len(pages) <= len(self.free_pages)
+        return self.pages_for(new_len) - len(pages) <= self.free_count
 
     def grow(self, pages: list[int], new_len: int) -> bool:
         """Extend `pages` in place to hold new_len positions; False (and no change) if full."""
         need = self.pages_for(new_len) - len(pages)
-        if need > len(self.free_pages):
+        if need > self.free_count:
             return False
+        if need > len(self.free_pages):
+            self.free_pages.extend(self.cache.evict(need - len(self.free_pages)))
         for _ in range(max(need, 0)):
             pages.append(self.free_pages.pop())
         return True

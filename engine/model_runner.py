@@ -217,6 +217,7 @@ class ModelRunner:
         return tensor.to(self.device.torch_device, non_blocking=True)
 
     def forward_and_sample(self, inp: StepInputs) -> StepResult | Deferred:
+        inp = self.sampling_on_device(inp)
         if inp.steps > 1:
             return self.decode_steps(inp)
         put = self.put
@@ -242,6 +243,11 @@ class ModelRunner:
             return result
         # the first tokens go out while the draft reads the prompt
         return Deferred(result, lambda: self.worker.after_prefill(inp, input_ids, attn, out, tokens))
+
+    def sampling_on_device(self, inp: StepInputs) -> StepInputs:
+        """On the stream: the step's sampling parameters where its logits are (the draft's and the
+        verify's sampling read them too)."""
+        return dataclasses.replace(inp, sampling=to_device(inp.sampling, self.device.torch_device))
 
     def decode_steps(self, inp: StepInputs) -> StepResult:
         """inp.steps plain decode steps of a batch of decodes (one token each) back to back: each
@@ -317,6 +323,7 @@ class ModelRunner:
         at concurrency 1 left a third of the rounds so). That holds for the first round too: under
         overlap a request's last launch is followed by one planned before its end was known, which
         then runs no round at all."""
+        inp = self.sampling_on_device(inp)
         if inp.steps > 1:
             rounds = []
             for i in range(inp.steps):
@@ -457,7 +464,7 @@ def sampling_rows(batch: ScheduledBatch) -> tuple[list[int], list[int], list[int
 
 
 def to_device(sb: SamplingBatch, dev: torch.device) -> SamplingBatch:
-    if dev.type == "cpu":
+    if dev == torch.device("cpu"):
         return sb
     move = {k: getattr(sb, k).to(dev, non_blocking=True) for k in ("temperature", "top_k", "top_p", "min_p", "greedy")}
     return SamplingBatch(**{**sb.__dict__, **move})

@@ -51,6 +51,14 @@ class DecodePolicy:
             sched.feed(batch, req, 1, decode=True)
         return False
 
+    def cacheable(self, req: Request) -> int:
+        """Positions of the request whose K/V (the draft's too, where there is one) may go to the prefix
+        cache: those processed steps wrote (engine/radix_cache.py)."""
+        return req.written
+
+    def on_cached(self, req: Request, length: int) -> None:
+        """An admitted request found positions [0, length) in the prefix cache: its prefill starts there."""
+
     def on_fed(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         """A prompt chunk (or a decode scheduled as one) was fed into a prefill batch."""
 

@@ -20,6 +20,7 @@ from engine.core import EngineCore, Finished
 from engine.kv_pool import KVPool
 from engine.dp import DpGroup
 from engine.disagg import PrefillExporter, RemoteKv, prefill_params
+from engine.graph_capture import capture_graphs
 from engine.messages import (AbortRequest, AddRequest, GateEstimate, KvLayer, PrefillDone, RankStats,
                              RequestFailed, RequestRejected, Shutdown, TokenDelta)
 from engine.model_runner import ModelRunner
@@ -69,8 +70,9 @@ def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer
     """The model runner, KV pool, decode policy and scheduler of one rank, wired as the rank runs them."""
     future_slots = 2 * args.max_running_requests + 2        # two batches of outputs in flight
     runner = ModelRunner(args, device, future_slots, dp)
+    capture_graphs(runner)
     device.order_after_setup()
-    pool = KVPool(runner.num_slots, args.page_size, runner.num_rows)
+    pool = KVPool(runner.num_slots, args.page_size, runner.num_rows, cache=not args.disable_radix_cache)
     scheduler = Scheduler(scheduler_config(args, runner, future_slots), pool, eos_ids, decode_policy(args, runner))
     return EngineCore(scheduler, runner, args.enable_overlap, tracer, dp)
 
@@ -221,7 +223,7 @@ class Rank:
             rid=req.rid, token_ids=new, logprobs=logprobs, top_logprobs=top,
             finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
-            spec_verify_ct=self.scheduler.policy.verify_steps(req)))
+            spec_verify_ct=self.scheduler.policy.verify_steps(req), cached_tokens=req.cached_tokens))
         req.sent = len(req.output_ids)
 
     def report(self) -> None:

@@ -57,7 +57,7 @@ async def connect_front(address: str, secret: bytes | None) -> Connection:
 async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     device = create_device(args.device, rank % (args.dp_size // args.nnodes))
     device.set_threads(cpu_threads(args))
-    dp = DpGroup(rank, args.dp_size, args.dist_init_addr, device.collective_backend) \
+    dp = DpGroup(rank, args.dp_size, args.dist_init_addr, device.collective_backend, device.torch_device) \
         if args.enable_dp_attention else None
     channel = await connect_front(socket_path, load_secret(args.rank_secret, "--rank-secret"))
     # eos ids come from the checkpoint's own config files

@@ -3,6 +3,7 @@
 KV of a request, by position (page_size tokens per page, `pages[i]` holds positions
 [i*page_size, (i+1)*page_size)):
 
+  [0, cached)             pages of the radix cache it matched at admission (read only; engine/radix_cache.py)
   [0, kv_len)             positions whose K/V a launched batch writes (or has written)
   [kv_len, capacity)      allocated but not yet scheduled (the tail of the last page)
 
@@ -42,7 +43,10 @@ class Request:
         self.status = Status.WAITING
         self.row: int | None = None
         self.pages: list[int] = []
+        self.cache_path: list = []      # radix cache nodes whose pages head `pages` (read, not owned)
+        self.cached_tokens = 0          # prompt tokens found in the cache at its first admission
         self.kv_len = 0
+        self.written = 0              # positions whose K/V processed steps wrote (a bound: see the cache)
         self.prefilled = False        # its last prompt chunk has been launched
         self.pending = 0
         self.future_id = 0

@@ -34,6 +34,7 @@ class SamplingBatch:
     greedy: torch.Tensor           # [N] bool
     all_greedy: bool
     needs_sort: bool
+    needs_min_p: bool              # some row has min_p > 0 (decided here: no host read on the stream)
     seeds: list[int | None]
     positions: list[int]           # output position of each row, for seeded noise
     max_logprobs: int | None       # None: no row wants logprobs
@@ -53,6 +54,7 @@ class SamplingBatch:
             greedy=torch.tensor(greedy, device=device),
             all_greedy=all(greedy),
             needs_sort=any(not g and (k < vocab or p.top_p < 1.0) for g, k, p in zip(greedy, top_k, params)),
+            needs_min_p=any(p.min_p > 0 for p in params),
             seeds=[p.seed for p in params],
             positions=positions,
             max_logprobs=max(wanted) if wanted else None,
@@ -76,7 +78,7 @@ def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         drop = (rank[None, :] >= sb.top_k[:, None]) | (cumulative - sorted_probs > sb.top_p[:, None])
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    if bool((sb.min_p > 0).any()):
+    if sb.needs_min_p:
         probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 

@@ -84,7 +84,7 @@ class Scheduler:
         need = self.pool.pages_for(len(req.input_ids) + self.policy.growth)
         reserve = self.pool.pages_for(len(self.running) * self.policy.growth)    # everyone's next step
         return (bool(self.pool.free_rows) and len(self.running) + len(self.reserved) < self.config.max_running_requests
-                and need + reserve <= len(self.pool.free_pages))
+                and need + reserve <= self.pool.free_count)
 
     def activate(self, req: Request, first_token: int, logprob: float | None,
                  top: list[tuple[int, float]] | None, record: dict) -> None:
@@ -179,12 +179,16 @@ class Scheduler:
             budget -= self.feed_chunk(batch, req, budget)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if req.pending or not self.can_admit(req, budget):
+            if req.pending:
+                break
+            path = self.cached_prefix(req)
+            if not self.can_admit(req, budget, len(path) * self.pool.page_size):
                 break
             self.waiting.popleft()
             req.row = self.pool.take_row()
             req.status = Status.RUNNING
             self.running.append(req)
+            self.start_from_cache(batch, req, path)
             budget -= self.feed_chunk(batch, req, budget)
 
     def prefill_ready(self) -> bool:
@@ -200,12 +204,56 @@ class Scheduler:
         size = min(req.known_len - req.kv_len, self.config.chunked_prefill_size, self.config.max_prefill_tokens)
         return size > 0 and self.pool.can_grow(req.pages, req.kv_len + size)
 
-    def can_admit(self, req: Request, budget: int) -> bool:
+    def can_admit(self, req: Request, budget: int, cached: int = 0) -> bool:
         if not self.pool.free_rows:
             return False
-        chunk = min(req.known_len, self.config.chunked_prefill_size, budget)
+        chunk = min(req.known_len - cached, self.config.chunked_prefill_size, budget)
         reserve = len(self.running) * self.policy.growth     # next decode step of everyone running
-        return self.pool.pages_for(chunk) + self.pool.pages_for(reserve) <= len(self.pool.free_pages)
+        return self.pool.pages_for(chunk) + self.pool.pages_for(reserve) <= self.pool.free_count
+
+    # ---- the prefix cache (engine/radix_cache.py) --------------------------------------------
+
+    def cached_prefix(self, req: Request) -> list:
+        """The cache's longest path for the request's known tokens, leaving at least one to compute
+        (its logits are what the prefill is for)."""
+        cache = self.pool.cache
+        return cache.match(req.all_ids, req.known_len - 1) if cache else []
+
+    def start_from_cache(self, batch: ScheduledBatch, req: Request, path: list) -> None:
+        """An admitted request reads the cached pages of its prefix: they head its pages, the batch maps
+        its positions there, and its prefill starts after them."""
+        cache = self.pool.cache
+        if cache is None:
+            return
+        cached = len(path) * self.pool.page_size
+        cache.stats.prompt_tokens += req.known_len
+        cache.stats.hit_tokens += cached
+        if req.retractions == 0:
+            req.cached_tokens = cached
+        if not path:
+            return
+        cache.lock(path)
+        req.cache_path, req.pages = path, [node.page for node in path]
+        req.kv_len = req.written = cached
+        batch.table_rows.extend([req.row] * cached)
+        batch.table_pos.extend(range(cached))
+        batch.table_slots.extend(self.pool.slots(req.pages, 0, cached))
+        self.policy.on_cached(req, cached)
+
+    def release_pages(self, req: Request, keep: bool) -> None:
+        """Return the request's pages: with `keep`, the full pages of K/V that processed steps wrote go
+        to the cache first (the tree keeps those it lacked); the cached pages it read are unlocked."""
+        cache, pages = self.pool.cache, req.pages
+        if cache is not None:
+            full = min(self.policy.cacheable(req), req.known_len - 1) // self.pool.page_size if keep else 0
+            full = max(full, len(req.cache_path))
+            spare = cache.insert(req.all_ids, pages[:full])
+            cache.unlock(req.cache_path)
+            self.pool.free_pages.extend(reversed(spare))
+            pages = pages[full:]
+            req.cache_path = []
+        self.pool.release(pages)
+        req.pages = []
 
     def stuck(self) -> bool:
         """Requests run, none has a step in flight, and this step could feed none of them."""
@@ -218,16 +266,16 @@ class Scheduler:
         def pages_needed() -> int:
             return sum(self.pool.pages_for(r.kv_len + growth) - len(r.pages)
                        for r in decodes if r.status is Status.RUNNING)
-        while pages_needed() > len(self.pool.free_pages) and self.running:
+        while pages_needed() > self.pool.free_count and self.running:
             self.retract(self.running[-1])
 
     def retract(self, req: Request) -> None:
         """Free a running request's KV and queue it for recompute (prompt + outputs so far).
         An output still in flight lands in output_ids when its batch is processed."""
         self.running.remove(req)
-        self.pool.release(req.pages)
+        self.release_pages(req, keep=True)
         self.pool.give_row(req.row)
-        req.row, req.kv_len, req.status, req.prefilled = None, 0, Status.WAITING, False
+        req.row, req.kv_len, req.written, req.status, req.prefilled = None, 0, 0, Status.WAITING, False
         self.policy.on_retract(req)
         req.retractions += 1
         self.retractions += 1
@@ -285,6 +333,8 @@ class Scheduler:
     def process(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
         """Apply a finished batch's outputs; returns the requests with news for the front."""
         touched = []
+        for seq in batch.seqs:               # K/V this step wrote (a bound: positions past known_len - 1 are not)
+            seq.req.written = max(seq.req.written, seq.start + max(seq.q_len, batch.steps))
         for i, seq in enumerate(batch.sampling):
             if seq.req.finished:
                 continue                      # finished (or aborted) after this batch was scheduled
@@ -334,7 +384,7 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 self.running.remove(req)
             self.reserved.pop(req.rid, None)
-            self.pool.release(req.pages)
+            self.release_pages(req, keep=req.finish_reason != "error")
             self.pool.give_row(req.row)
             req.row = None
         elif req.status is Status.WAITING:

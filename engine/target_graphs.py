@@ -16,7 +16,7 @@ import torch
 
 from devices.graphs import GraphRunner, GraphSettings, Static
 from engine.fixed_batches import fixed_attention_batch
-from engine.graph_shape import GraphShape
+from engine.graph_shape import GraphShape, key_widths
 from engine.models.base import ModelOutput
 
 if TYPE_CHECKING:
@@ -51,6 +51,17 @@ class TargetGraphs:
             outputs["aux"] = Static((width, aux_width), self.target.dtype)
         return self.settings.runner("target-verify", self.verify_step, self.inputs(width), outputs,
                                     self.dp and self.dp.padded_forwards)
+
+    def planned(self, speculative: bool) -> list[tuple[GraphRunner, dict]]:
+        """What serving replays, for capture at start-up (GraphRunner.capture_ahead): plain decodes
+        without a speculative worker, else verifies of every chain length up to max_chain (0: a
+        plain step under load, fewer: an all-greedy batch near its end); at every key width."""
+        widths = key_widths(self.target.page_size, self.target.table_width)
+        rows = {"first_pos": (), "rows": ()}
+        if not speculative:
+            return [(self.decode, {width: {"tokens": (1,), **rows} for width in widths})]
+        return [(self.verify, {(chain, width): {"tokens": (chain + 1,), **rows}
+                               for chain in range(self.max_chain + 1) for width in widths})]
 
     # ---- the captured functions ----------------------------------------------------------
 

@@ -126,14 +126,15 @@ async def plan_chat(ctx: FrontContext, req: ChatCompletionRequest) -> Plan:
 
 
 async def stream_events(ctx: FrontContext, plan: Plan, arrival: float) -> AsyncIterator[dict]:
-    completion_tokens = {}
+    completion_tokens, cached_tokens = {}, 0
     async for update in ctx.run(plan.specs, arrival):
         completion_tokens[update.index] = update.completion_tokens
+        cached_tokens = max(cached_tokens, update.cached_tokens)
         chunk = plan.fmt.chunk(update)
         if chunk is not None:
             yield chunk
     if plan.include_usage:
-        yield plan.fmt.usage_chunk(sum(completion_tokens.values()))
+        yield plan.fmt.usage_chunk(sum(completion_tokens.values()), cached_tokens)
 
 
 async def run_plan(request: web.Request, tracker: RequestTracker, plan: Plan) -> web.StreamResponse:

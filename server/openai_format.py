@@ -13,9 +13,11 @@ from server.errors import APIError
 from server.streaming import ChoiceResult, SeqUpdate, TokenLogprob
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens read from the prefix cache (of the choice that read most)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def check_not_aborted(finish_reason: str | None) -> None:
@@ -41,7 +43,8 @@ class OpenAIFormat(ABC):
         for result in results:
             check_not_aborted(result.finish_reason)
         body = self.envelope(self.object_whole, [self.whole_choice(r) for r in results])
-        body["usage"] = usage(self.prompt_tokens, sum(r.completion_tokens for r in results))
+        body["usage"] = usage(self.prompt_tokens, sum(r.completion_tokens for r in results),
+                              max(r.cached_tokens for r in results))
         return body
 
     def chunk(self, update: SeqUpdate) -> dict | None:
@@ -53,9 +56,9 @@ class OpenAIFormat(ABC):
             return None
         return self.envelope(self.object_chunk, [self.chunk_choice(update, first)])
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
         body = self.envelope(self.object_chunk, [])
-        body["usage"] = usage(self.prompt_tokens, completion_tokens)
+        body["usage"] = usage(self.prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     @abstractmethod

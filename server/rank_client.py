@@ -28,6 +28,7 @@ from engine.handshake import handshake, load_secret
 from engine.messages import (AbortRequest, AddRequest, FromRank, KvLayer, PrefillDone, PrefillReserved, RankReady,
                              RankStats, RequestFailed, RequestRejected, SamplingParams, Shutdown, TokenDelta, Wake)
 from engine.rank_entry import rank_process
+from server import prefix_router
 from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class RankLink:
         self.connected: asyncio.Future | None = None     # resolved with (channel, RankReady) by the socket server
         self.load = 0                     # requests in flight
         self.tokens = 0                   # their prompt and output budgets, in tokens
+        self.prefixes = prefix_router.RankPrefixes()    # what its prefix cache likely holds (cache_aware)
         self.tasks: list[asyncio.Task] = []
 
 
@@ -159,6 +161,7 @@ class RankEngineClient(EngineClient):
     def attach(self, link: RankLink) -> None:
         link.channel, link.ready = link.connected.result()
         link.alive = True
+        link.prefixes.clear()             # a new process: its cache starts empty
         link.tasks = [asyncio.create_task(self.read_rank(link))]
         if link.process is not None and self.is_local(link):
             link.tasks.append(asyncio.create_task(self.watch_process(link)))
@@ -196,7 +199,7 @@ class RankEngineClient(EngineClient):
                        mode: str = "unified") -> AsyncIterator[TokenDelta]:
         """A request's messages from its rank: TokenDeltas until the one that finishes it; with mode
         "prefill", KvLayers then PrefillDone; with mode "decode", PrefillReserved first."""
-        link = self.pick_rank()
+        link = self.pick_rank(input_ids)
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         self.owner[rid] = link
@@ -247,8 +250,9 @@ class RankEngineClient(EngineClient):
             self.aborted.add(rid)
             link.channel.send_nowait(AbortRequest(rid, reason))
 
-    def pick_rank(self) -> RankLink:
-        """--load-balance-method: in turn, the fewest requests, or the fewest tokens in flight."""
+    def pick_rank(self, input_ids: list[int]) -> RankLink:
+        """--load-balance-method: in turn, the fewest requests, the fewest tokens in flight, or where the
+        prompt's prefix is likely cached (server/prefix_router.py)."""
         if self.draining:
             raise EngineDead("the server is shutting down")
         alive = [link for link in self.links if link.alive]
@@ -257,6 +261,9 @@ class RankEngineClient(EngineClient):
         method = self.args.load_balance_method
         if method == "round_robin":
             return alive[next(self.round_robin) % len(alive)]
+        if method == "cache_aware":
+            loads, prefixes = [link.load for link in alive], [link.prefixes for link in alive]
+            return alive[prefix_router.choose(input_ids, loads, prefixes)]
         load = (lambda link: link.tokens) if method == "total_tokens" else (lambda link: link.load)
         least = min(map(load, alive))
         candidates = [link for link in alive if load(link) == least]

@@ -63,7 +63,10 @@ class Verified:
         return self.tokens == self.emitted.numel()
 
     def flat_emitted(self) -> torch.Tensor:
-        """The emitted tokens in the forward's flattened order (row b: its first q_lens[b])."""
+        """The emitted tokens in the forward's flattened order (row b: its first q_lens[b]). Whole chains
+        (always where the host's reads are not free) need no mask: a mask's index waits for the device."""
+        if self.whole_chains:
+            return self.emitted.reshape(-1)
         cols = torch.arange(self.emitted.shape[1], device=self.emitted.device)
         return self.emitted[cols[None, :] < self.q_lens[:, None]]
 

@@ -14,11 +14,17 @@ import torch
 
 from devices.graphs import GraphRunner, Static
 from engine.fixed_batches import fixed_attention_batch
+from engine.graph_shape import key_widths
 from engine.models.attention import chain_step_batch
 
 if TYPE_CHECKING:
     from spec.eagle_worker import EagleWorker
     from spec.standalone_worker import StandaloneWorker
+
+
+def planned_widths(worker) -> list[int]:
+    """The key widths a worker's captured steps may read (engine/graph_shape.py key_width)."""
+    return key_widths(worker.target.page_size, worker.target.table_width)
 
 
 def row_inputs(worker) -> dict[str, Static]:
@@ -47,6 +53,19 @@ class EagleGraphs:
 
     def runners(self) -> list[GraphRunner]:
         return [self.draft, self.extend]
+
+    def planned(self) -> list[tuple[GraphRunner, dict]]:
+        """For capture at start-up: chains of 2..k drafts (an all-greedy batch near its end drafts fewer),
+        extends after verifies of 0..k drafts, at every key width."""
+        worker, widths = self.worker, planned_widths(self.worker)
+        k, hidden = worker.args.num_steps, worker.head.hidden_size
+        features = self.extend.static_in["features"].shape[-1]
+        rows = {"first_pos": (), "rows": ()}
+        draft = {(chain, width): {"first": (), "hidden": (hidden,), **rows} for chain in range(2, k + 1)
+                 for width in widths}
+        extend = {(chain, width): {"tokens": (chain + 1,), "features": (chain + 1, features), "accepted": (), **rows}
+                  for chain in range(k + 1) for width in widths}
+        return [(self.draft, draft), (self.extend, extend)]
 
     def draft_step(self, key: tuple[int, int], first, hidden, first_pos, rows) -> dict[str, torch.Tensor]:
         k, width = key
@@ -81,6 +100,12 @@ class StandaloneGraphs:
 
     def runners(self) -> list[GraphRunner]:
         return [self.draft]
+
+    def planned(self) -> list[tuple[GraphRunner, dict]]:
+        """For capture at start-up: chains of 1..k drafts, at every key width."""
+        keys = {(chain, width): {"recent": (2,), "first_pos": (), "rows": ()}
+                for chain in range(1, self.worker.args.num_steps + 1) for width in planned_widths(self.worker)}
+        return [(self.draft, keys)]
 
     def draft_step(self, key: tuple[int, int], recent, first_pos, rows) -> dict[str, torch.Tensor]:
         k, width = key

@@ -278,6 +278,22 @@ class SpeculativeDecoding(DecodePolicy):
 
     # ---- prefill batches -------------------------------------------------------------
 
+    def cacheable(self, req: Request) -> int:
+        """A cached page carries the draft's K/V, which must be what the draft would have computed (a
+        seeded request's tokens depend on the drafts): only positions the draft read go to the cache. A
+        draft behind read up to draft_end; one that lags (a standalone draft after plain steps) lacks its
+        last draft_lag positions."""
+        record = req.decode
+        if record.behind:
+            return min(req.written, record.draft_end)
+        return min(req.written, req.known_len - 1 - record.draft_lag)
+
+    def on_cached(self, req: Request, length: int) -> None:
+        """The cached pages hold the draft's K/V too (same slots): its draft has read them. (Where the
+        request that left them had skipped some, its drafts there are poorer, never wrong: the verify
+        decides.)"""
+        req.decode.draft_end = length
+
     def on_fed(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         """The draft reads token t+1 at position t; a last chunk's is sampled."""
         end = seq.start + seq.q_len
@@ -303,7 +319,9 @@ class SpeculativeDecoding(DecodePolicy):
         batch.spec.no_decode = all(seq.req.params.max_new_tokens <= 1 and not seq.req.exported for seq in batch.seqs)
         for seq in batch.seqs:
             record, end = seq.req.decode, seq.req.kv_len       # a plain run's end, past its one fed token
-            if not skip:
+            if batch.spec.no_decode:        # the draft reads none of it, and never will: keep it out of the cache
+                record.behind, record.draft_end = True, min(record.draft_end, seq.start)
+            elif not skip:
                 record.draft_end = end
             if seq.last_chunk:
                 record.draft_lag = 0 if record.draft_end == end else end - 1 - record.draft_end

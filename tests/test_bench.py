@@ -35,15 +35,17 @@ METRIC_KEYS = [
 
 # ---- a fake OpenAI-compatible / SGLang-native server ------------------------------
 
-def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1, pd: bool = False) -> web.Application:
+def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1, pd: bool = False,
+             log: list | None = None) -> web.Application:
     """Streams exactly max_new_tokens / max_tokens tokens (" t0 t1 ...").
 
     mode: ok | error500 (every request) | flaky (every other request 500) | break (the
     connection drops after two chunks). tokens_per_chunk > 1 imitates speculative decoding
     and reports spec_verify_ct on /generate. pd: /metrics also has a PD node's counters, growing
-    by PD_STEP at every scrape.
+    by PD_STEP at every scrape. log: gets each /generate prompt, and "flush" for each /flush_cache.
     """
     calls = {"n": 0}
+    log = [] if log is None else log
 
     def failing() -> bool:
         calls["n"] += 1
@@ -73,6 +75,7 @@ def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1, 
         if failing():
             return web.Response(status=500, text="boom: fake failure")
         body = await request.json()
+        log.append(body["text"])
         n = body["sampling_params"]["max_new_tokens"]
         prompt_tokens = len(body["text"].split())
         chunks, verify = [], 0
@@ -119,7 +122,12 @@ def fake_app(mode: str = "ok", delay: float = 0.002, tokens_per_chunk: int = 1, 
                                  f'tandem_spec_phase_seconds_total{{phase="verify"}} {scrapes[0] * 1.5}\n'
                                  + (pd_metrics(scrapes[0]) if pd else ""))
 
+    async def flush_cache(_):
+        log.append("flush")
+        return web.Response(text="ok")
+
     app = web.Application()
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
@@ -262,6 +270,36 @@ def test_code_and_prompts_datasets_with_poisson_arrivals(fake_server, tokenizer_
                        "--num-prompts", "4", "--backend", "openai"))
     check_sane(m, 4)
     assert m["total_output_tokens"] == 3 + 6 + 3 + 6
+
+
+def test_shared_prefix_and_multi_turn_workloads_flush_the_cache_first(tokenizer_dir):
+    """generated-shared-prefix: groups x questions, each after its group's system prompt; multi-turn: each
+    turn sends the conversation so far (its earlier prompts and their answers) and a new question; the
+    prefix cache is flushed after the warm-up, before the measured requests."""
+    log: list = []
+    server = FakeServer(log=log)
+    try:
+        gsp = bench_args(server.url, tokenizer_dir, "--dataset-name", "generated-shared-prefix", "--gsp-num-groups",
+                         "3", "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "40", "--gsp-question-len",
+                         "5", "--gsp-output-len", "3")
+        m = run(gsp)
+        assert m["completed"] == 12 and log[1] == "flush"
+        systems = {prompt.split("\n")[0] for prompt in log[2:]}
+        assert len(systems) == 3 and len(set(log[2:])) == 12
+        log.clear()
+        m = run(bench_args(server.url, tokenizer_dir, "--dataset-name", "multi-turn", "--num-prompts", "3",
+                           "--multi-turn-turns", "3", "--max-concurrency", "2"))
+        assert m["completed"] == 9 and log[1] == "flush"
+        prompts = log[2:]
+        for prompt in prompts:
+            earlier = [p for p in prompts if p != prompt and prompt.startswith(p)]
+            assert len(earlier) in (0, 1, 2)              # a first, second or third turn
+            if earlier:                                    # the answer (" t0 t1 ...") follows the turn before
+                longest = max(earlier, key=len)
+                assert prompt[len(longest):].startswith(" t0 t1 t2 t3 t4 t5")
+        assert sum(not any(prompt.startswith(p) for p in prompts if p != prompt) for prompt in prompts) == 3
+    finally:
+        server.close()
 
 
 def test_datasets_are_deterministic_by_seed(tokenizer_dir):

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation at the engine level, in one process: a prefill engine exports each
 prompt chunk's KV (target and draft) and then the first token with the draft's state; a decode
 engine reserves room, writes the arriving KV and continues. Outputs equal the unified engine's, for
-every algorithm, with prompts longer than --chunked-prefill-size, greedy and seeded."""
+every algorithm, with prompts longer than --chunked-prefill-size, greedy and seeded, the prefill
+engine reading the prompt's start from its prefix cache (and sending it all the same)."""
 from __future__ import annotations
 
 import asyncio
@@ -75,10 +76,15 @@ async def test_prefill_on_one_engine_decode_on_another(algorithm, params, prompt
         decode = build_core(parse_args(flags), devices[2], eos_ids=frozenset())
         remote = RemoteKv(decode, FakeChannel())
 
+        # the prefill node has seen the prompt's start: it computes only the rest, and sends it all
+        assert prefill.scheduler.add("seen", prompt[:-5], GREEDY) is None
+        await run(prefill, lambda: not prefill.busy)
         assert decode.scheduler.add("r", prompt, params, remote=True) is None
         remote.reserve()
         assert isinstance(remote.channel.sent[-1], PrefillReserved)
         assert prefill.scheduler.add("r", prompt, prefill_params(params)) is None
+        assert prefill.scheduler.requests["r"].cached_tokens == 0       # not admitted yet
+        hits = prefill.scheduler.pool.cache.stats.hit_tokens
         exporter.add("r")
         done = lambda: any(isinstance(m, PrefillDone) for m in to_front.sent)  # noqa: E731
         await run(prefill, lambda: not prefill.busy, on_news=exporter.finished)    # as the rank hands it news
@@ -87,7 +93,8 @@ async def test_prefill_on_one_engine_decode_on_another(algorithm, params, prompt
                 break
             await asyncio.sleep(0.01)
         sender.cancel()
-        assert prefill.scheduler.pool.used_slots == 0           # the prefill side kept nothing
+        assert prefill.scheduler.pool.used_slots == 0           # the prefill side holds nothing (its cache aside)
+        assert len(prompt) - 5 <= prefill.scheduler.pool.cache.stats.hit_tokens - hits < len(prompt)
         layers = [m for m in to_front.sent if isinstance(m, KvLayer)]
         assert sum(m.count for m in layers if m.layer == 0 and m.kind == "target") == len(prompt)
         assert any(m.kind == "draft" for m in layers) == (algorithm in ("eagle", "eagle3", "standalone"))

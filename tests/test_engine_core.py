@@ -79,8 +79,8 @@ async def test_the_draft_reads_no_prompt_that_ends_with_its_first_token(algorith
     """max_tokens 1: the first token is all a request gets, so its prefill is not followed by the
     speculative worker's pass over the prompt (which would hold up the batch behind it); an exported
     request (a prefill node's, whose draft KV leaves with it) and one that decodes still get theirs;
-    the outputs are plain decoding's."""
-    engine = Engine(BASE + ALGORITHMS[algorithm])
+    the outputs are plain decoding's. (The prefix cache is off: a prompt sent again would be read from it.)"""
+    engine = Engine(BASE + ALGORITHMS[algorithm] + ["--disable-radix-cache"])
     worker, read = engine.core.runner.worker, []
     after_prefill = worker.after_prefill
 

@@ -1,7 +1,8 @@
-"""bench/gpu_check.sh and its helper, on the CPU: the random Llama maker on a tiny shape (transformers
+"""bench/gpu_check.sh and its helpers, on the CPU: the random Llama maker on a tiny shape (transformers
 and Tandem's loader both read it, every weight where Hugging Face puts it), the helper's argument
-checks, the summary of a check from pytest's junit XML and compare.py's record, and the script's
-refusal to run without a CUDA device."""
+checks, the summary of a check from pytest's junit XML, compare.py's record and bench/dp_check.py's
+result, the DP check's choice of backend (the device's own, else gloo, saying why) and its verdict,
+a real DP check on the CPU (slow), and the script's refusal to run without a CUDA device."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from bench import gpu_check
+from bench import dp_check, gpu_check
 from tests.server_harness import REPO
 
 TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "96",
@@ -66,10 +67,13 @@ def test_the_summary_gathers_tests_and_speeds_with_graphs_over_eager(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": 2048}))
+    dp = {"device": "cuda", "backend": "gloo", "refused": {"nccl": "rank 1: DistBackendError: Duplicate GPU"},
+          "equal_to_one_engine": True, "tokens": 80}
+    (tmp_path / "dp_check.json").write_text(json.dumps(dp))
     out = tmp_path / "out" / "gpu_check.json"
     assert gpu_check.main(["summarize", "--out", str(out), "--junit", str(tmp_path / "junit.xml"), "--tests-rc", "1",
                            "--compare", str(tmp_path / "compare.jsonl"), "--bench-rc", "0", "--model", str(model),
-                           "--seconds", "312"]) == 0
+                           "--dp", str(tmp_path / "dp_check.json"), "--dp-rc", "0", "--seconds", "312"]) == 0
     summary = json.loads(out.read_text())
     tests = summary["tests"]
     assert (tests["rc"], tests["passed"], tests["failed"], tests["skipped"], tests["errors"]) == (1, 1, 1, 1, 0)
@@ -80,6 +84,7 @@ def test_the_summary_gathers_tests_and_speeds_with_graphs_over_eager(tmp_path):
                                                                           ("eager", 1), ("eager", 16)}
     assert bench["model"] == {"hidden_size": 2048} and summary["seconds"] == 312
     assert "python" in summary["environment"]
+    assert summary["dp_attention"] == {"rc": 0, **dp}
 
 
 def test_a_summary_of_a_check_that_never_got_far_says_so(tmp_path):
@@ -88,6 +93,56 @@ def test_a_summary_of_a_check_that_never_got_far_says_so(tmp_path):
                     "--compare", str(tmp_path / "absent.jsonl")])
     summary = json.loads(out.read_text())
     assert "note" in summary["tests"] and "note" in summary["benchmark"] and summary["benchmark"]["rows"] == []
+    assert "note" in summary["dp_attention"] and summary["dp_attention"]["rc"] is None
+
+
+def test_the_dp_check_tries_the_devices_own_backend_first_then_gloo():
+    assert dp_check.backends("cuda", "auto") == ["nccl", "gloo"]
+    assert dp_check.backends("npu", "auto") == ["hccl", "gloo"]
+    assert dp_check.backends("cpu", "auto") == ["gloo"]
+    assert dp_check.backends("cuda", "gloo") == ["gloo"]
+
+
+REFERENCE = {"r0": [5, 6, 7], "r1": [8, 9]}
+
+
+@pytest.mark.parametrize("gloo_gives, equal, rc", [(REFERENCE, True, 0), ({"r0": [5, 6, 7], "r1": [8, 1]}, False, 1)])
+def test_the_dp_check_falls_back_to_gloo_says_why_and_compares_with_one_engine(gloo_gives, equal, rc, tmp_path,
+                                                                              monkeypatch, capsys):
+    tried = []
+
+    def run_group(backend, device_name, timeout):
+        tried.append(backend)
+        return (None, "rank 1: DistBackendError: Duplicate GPU detected") if backend == "nccl" else (gloo_gives, None)
+    monkeypatch.setattr(dp_check, "one_engine", lambda device_name: REFERENCE)
+    monkeypatch.setattr(dp_check, "run_group", run_group)
+    out = tmp_path / "dp.json"
+    assert dp_check.main(["--device", "cuda", "--out", str(out)]) == rc
+    result = json.loads(out.read_text())
+    assert tried == ["nccl", "gloo"] and result["backend"] == "gloo" and result["tokens"] == 5
+    assert result["refused"] == {"nccl": "rank 1: DistBackendError: Duplicate GPU detected"}
+    assert result["equal_to_one_engine"] is equal and result["differing"] == ([] if equal else ["r1"])
+    line = capsys.readouterr().out
+    assert "over gloo (nccl refused: rank 1: DistBackendError: Duplicate GPU detected)" in line
+    assert ("equal to one engine" in line) is equal
+
+
+def test_the_dp_check_says_when_no_backend_ran(tmp_path, monkeypatch):
+    monkeypatch.setattr(dp_check, "one_engine", lambda device_name: REFERENCE)
+    monkeypatch.setattr(dp_check, "run_group", lambda *args: (None, "no answer from every rank in 45 s"))
+    assert dp_check.main(["--device", "cuda", "--out", str(tmp_path / "dp.json")]) == 1
+    result = json.loads((tmp_path / "dp.json").read_text())
+    assert result["backend"] is None and set(result["refused"]) == {"nccl", "gloo"}
+
+
+@pytest.mark.slow
+def test_the_dp_check_runs_two_ranks_in_two_processes_on_the_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "dp_check.py"), "--device", "cpu", "--out",
+                           str(tmp_path / "dp.json")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "dp.json").read_text())
+    assert result["backend"] == "gloo" and result["equal_to_one_engine"] and result["refused"] == {}
+    assert result["requests"] == len(dp_check.PROMPTS) and result["tokens"] == sum(6 + 5 * i for i in range(5))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

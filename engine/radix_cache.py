@@ -1,0 +1,140 @@
+"""The radix prefix cache: KV pages of finished (and retracted) requests kept, keyed by their
+tokens, so that a request whose prompt starts the same way prefills only the rest. Pure Python:
+page numbers and token ids, no tensors (the pages' K/V stay where the pool put them).
+
+A tree of pages: each node holds one full page (page_size positions) and is keyed, under its
+parent, by the tokens of that page; the path from the root spells a token prefix, and the K/V in
+the path's pages is that prefix's (K/V at a position depends on the tokens up to it, never after,
+so a prefix's pages serve every sequence that starts with it). Partial pages are never shared.
+
+  ref        running requests that read the node's page (each holds its whole matched path): a
+             page with ref > 0 is never evicted, and nothing writes a cached page (a request that
+             matched m positions writes from position m on, in pages of its own)
+  evictable  nodes with ref 0: all of them can go, leaves first (a node with ref 0 has no
+             descendant with ref > 0, since a request holds whole paths)
+
+The pool asks the cache for pages when its free list runs short (KVPool.grow -> evict): the least
+recently used leaves with ref 0 go first, and their parents may follow.
+
+NOTE: only K/V written by processed steps is inserted (Request.written): with overlap the step in
+flight may still write a request's later positions, never those below `written`.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]                # the tokens of this page (empty at the root)
+    page: int                           # the pool page holding their K/V (-1 at the root)
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    ref: int = 0
+    last_use: int = 0
+
+
+@dataclass
+class CacheStats:
+    """Counters since start (tokens are positions: page_size tokens a page)."""
+    prompt_tokens: int = 0      # prompt tokens of requests admitted (each admission, recomputes included)
+    hit_tokens: int = 0         # ... of those, found in the cache
+    evicted_pages: int = 0
+    inserted_pages: int = 0
+
+
+class RadixCache:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.root = Node((), -1, None)
+        self.pages = 0              # pages the tree holds
+        self.evictable = 0          # ... of those, with ref 0
+        self.stats = CacheStats()
+        self.clock = itertools.count(1)
+
+    # ---- lookup --------------------------------------------------------------------------
+
+    def match(self, tokens: list[int], limit: int) -> list[Node]:
+        """The longest cached path spelling a prefix of tokens[:limit], in whole pages."""
+        path, node, ps, now = [], self.root, self.page_size, next(self.clock)
+        for start in range(0, limit - limit % ps, ps):
+            node = node.children.get(tuple(tokens[start:start + ps]))
+            if node is None:
+                break
+            node.last_use = now
+            path.append(node)
+        return path
+
+    def lock(self, path: list[Node]) -> None:
+        """A request reads these pages: none of them may go."""
+        for node in path:
+            self.evictable -= node.ref == 0
+            node.ref += 1
+
+    def unlock(self, path: list[Node]) -> None:
+        now = next(self.clock)
+        for node in path:
+            node.ref -= 1
+            node.last_use = now
+            self.evictable += node.ref == 0
+
+    # ---- insertion -------------------------------------------------------------------------
+
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        """Cache the K/V of tokens[:len(pages) * page_size], held in `pages`. The tree takes the pages
+        it lacked; returns those it already held another copy of (the caller frees them). A page
+        that is already the tree's (a matched prefix) stays where it is."""
+        node, ps, now, spare = self.root, self.page_size, next(self.clock), []
+        for i, page in enumerate(pages):
+            key = tuple(tokens[i * ps:(i + 1) * ps])
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = Node(key, page, node, last_use=now)
+                self.pages += 1
+                self.evictable += 1
+                self.stats.inserted_pages += 1
+            elif child.page != page:
+                spare.append(page)
+            child.last_use = now
+            node = child
+        return spare
+
+    # ---- eviction --------------------------------------------------------------------------
+
+    def evict(self, wanted: int) -> list[int]:
+        """Free up to `wanted` pages, least recently used leaves with ref 0 first."""
+        leaves = [(n.last_use, id(n), n) for n in self.nodes() if not n.children and n.ref == 0]
+        heapq.heapify(leaves)
+        freed: list[int] = []
+        while leaves and len(freed) < wanted:
+            _, _, node = heapq.heappop(leaves)
+            freed.append(self.remove(node))
+            parent = node.parent
+            if parent is not self.root and not parent.children and parent.ref == 0:
+                heapq.heappush(leaves, (parent.last_use, id(parent), parent))
+        self.stats.evicted_pages += len(freed)
+        return freed
+
+    def remove(self, node: Node) -> int:
+        del node.parent.children[node.key]
+        self.pages -= 1
+        self.evictable -= 1
+        return node.page
+
+    def nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def flush(self) -> list[int]:
+        """Drop every page (only when no request holds any: the caller checks); returns them."""
+        if self.evictable != self.pages:
+            raise RuntimeError("pages of the cache are in use")
+        pages = [node.page for node in self.nodes()]
+        self.root.children.clear()
+        self.pages = self.evictable = 0
+        return pages

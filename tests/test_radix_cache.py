@@ -1,0 +1,262 @@
+"""The radix prefix cache (engine/radix_cache.py) on plain data.
+
+- The tree: longest match in whole pages, reference counts that keep pages, LRU eviction of
+  unreferenced leaves (parents after their children), duplicates handed back, flush refused in use.
+- The scheduler over a device that keeps K/V content: each slot holds a hash of the tokens up to its
+  position, computed from the slot before it as the table maps them, and a sampled token comes from
+  the last slot's hash. A page shared for the wrong tokens, a cached page rewritten, or a position
+  read before it was written changes the outputs, which are checked against the same hash chain
+  computed without any cache. After every step the pool's pages are checked: each in exactly one
+  place (free, one request's own, the cache), and every cached page a request reads holds its tokens.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import tests.test_scheduler as plain
+from engine.batch import StepOutput
+from engine.kv_pool import KVPool
+from engine.messages import SamplingParams
+from engine.radix_cache import RadixCache
+from engine.request import Status
+from engine.scheduler import Scheduler, SchedulerConfig
+from spec.policy import SpeculativeDecoding
+
+# ---- the tree -------------------------------------------------------------------------------
+
+
+def test_match_is_the_longest_cached_prefix_in_whole_pages():
+    cache = RadixCache(page_size=2)
+    assert cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12]) == []
+    assert [n.page for n in cache.match([1, 2, 3, 4, 9, 9], 6)] == [10, 11]
+    assert [n.page for n in cache.match([1, 2, 3, 4, 5, 6], 5)] == [10, 11]      # the limit cuts a page
+    assert [n.page for n in cache.match([1, 2, 3], 3)] == [10]                   # a partial page never matches
+    assert cache.match([2, 2], 2) == [] and (cache.pages, cache.evictable) == (3, 3)
+    assert cache.insert([1, 2, 3, 4, 7, 8], [20, 21, 22]) == [20, 21]        # [1, 2, 3, 4] held already
+    assert cache.insert([1, 2, 3, 4], [10, 11]) == []                        # its own pages: nothing spare
+    assert cache.pages == 4
+
+
+def test_referenced_pages_stay_and_the_least_recently_used_leaves_go_first():
+    cache = RadixCache(page_size=1)
+    cache.insert([1, 2, 3], [0, 1, 2])
+    cache.insert([1, 5], [0, 3])
+    cache.insert([7], [4])
+    held = cache.match([1, 2, 3], 3)
+    cache.lock(held)
+    assert cache.evictable == 2                      # [1, 5]'s leaf and [7]
+    cache.match([7], 1)                              # [7] used last
+    assert cache.evict(1) == [3] and cache.evict(5) == [4]
+    assert cache.pages == 3 and cache.evictable == 0
+    with pytest.raises(RuntimeError):
+        cache.flush()
+    cache.unlock(held)
+    assert cache.evict(2) == [2, 1]                  # a leaf, then its parent once it is a leaf
+    assert sorted(cache.flush()) == [0] and cache.pages == 0
+
+
+# ---- the scheduler over a device with K/V content ------------------------------------------------
+
+MASK = (1 << 61) - 1
+
+
+def chain(previous: int, token: int) -> int:
+    return (previous * 1_000_003 + token + 1) & MASK
+
+
+def sample(state: int) -> int:
+    return state % 47 + 1                       # never 49 (eos), never 0
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    state, out = 0, []
+    for token in prompt:
+        state = chain(state, token)
+    for _ in range(n):
+        out.append(sample(state))
+        state = chain(state, out[-1])
+    return out
+
+
+class KvDevice:
+    """Keeps each slot's content; a sequence reads its positions' slots through the table."""
+
+    def __init__(self):
+        self.futures, self.table, self.kv = {}, {}, {}
+
+    def run(self, batch) -> StepOutput:
+        for row, pos, slot in zip(batch.table_rows, batch.table_pos, batch.table_slots):
+            self.table[row, pos] = slot
+        runs, offset = [], 0
+        for seq in batch.seqs:
+            fed = [self.futures[-t] if t < 0 else t for t in batch.input_ids[offset:offset + seq.q_len]]
+            offset += seq.q_len
+            state = self.kv[self.table[seq.row, seq.start - 1]] if seq.start else 0
+            for i, token in enumerate(fed):
+                state = chain(state, token)
+                self.kv[self.table[seq.row, seq.start + i]] = state
+            if seq.samples:
+                runs.append([sample(state)])
+                self.futures[seq.future_id] = runs[-1][0]
+        return StepOutput(tokens=runs)
+
+
+def check_pool(sched: Scheduler) -> None:
+    """Every page in exactly one place; every cached page a request reads holds its tokens."""
+    pool, cache = sched.pool, sched.pool.cache
+    places = list(pool.free_pages) + [node.page for node in cache.nodes()]
+    for req in sched.running:
+        places += req.pages[len(req.cache_path):]
+        for i, node in enumerate(req.cache_path):
+            assert node.ref > 0 and req.pages[i] == node.page
+            assert list(node.key) == req.all_ids[i * pool.page_size:(i + 1) * pool.page_size]
+    assert sorted(places) == list(range(pool.num_pages)), "a page lost, or in two places"
+    assert cache.evictable == sum(node.ref == 0 for node in cache.nodes())
+
+
+def make(num_slots: int, page_size: int, policy=None, rows: int = 8) -> Scheduler:
+    config = SchedulerConfig(max_running_requests=rows, max_queued_requests=400, max_prefill_tokens=64,
+                             chunked_prefill_size=24, context_length=4096, future_slots=2 * rows + 2)
+    return Scheduler(config, KVPool(num_slots, page_size, rows, cache=True), eos_ids=frozenset({49}),
+                     policy=policy)
+
+
+def drive_kv(sched: Scheduler, overlap: bool, arrivals: dict[int, list]) -> dict:
+    device, requests = KvDevice(), {}
+
+    def arrive(step: int) -> None:
+        for rid, prompt, n in arrivals.pop(step, []):
+            assert sched.add(rid, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)) is None
+            requests[rid] = (sched.requests[rid], prompt)
+
+    def on_step(s: Scheduler) -> None:
+        check_pool(s)
+        arrive(s.step)
+    original, plain.FakeDevice = plain.FakeDevice, lambda: device
+    try:
+        while arrivals:
+            arrive(min(arrivals))
+            plain.drive(sched, overlap, max_steps=20000, on_step=on_step)
+    finally:
+        plain.FakeDevice = original
+    return requests
+
+
+def shared_prefix_traffic(seed: int, count: int) -> dict[int, list]:
+    """Groups of prompts over a few system prompts, some sent again whole, some extending an earlier
+    prompt and its answer (a chat's next turn), arriving over time."""
+    rng, arrivals, sent = random.Random(seed), {}, []
+    systems = [[rng.randrange(1, 40) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
+    for i in range(count):
+        kind = rng.random()
+        if sent and kind < 0.2:
+            prompt = list(rng.choice(sent))                                  # the same prompt again
+        elif sent and kind < 0.4:
+            earlier = rng.choice(sent)
+            prompt = earlier + reference(earlier, 6) + [rng.randrange(1, 40) for _ in range(rng.randrange(1, 9))]
+        else:
+            prompt = rng.choice(systems) + [rng.randrange(1, 40) for _ in range(rng.randrange(1, 30))]
+        sent.append(prompt)
+        arrivals.setdefault(rng.randrange(0, count * 2), []).append((f"r{i}", prompt, rng.randrange(1, 12)))
+    return arrivals
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_outputs_are_those_computed_without_a_cache_and_pages_are_reused(overlap, page_size):
+    sched = make(num_slots=4096, page_size=page_size)
+    requests = drive_kv(sched, overlap, shared_prefix_traffic(page_size, 60))
+    for req, prompt in requests.values():
+        assert req.output_ids == reference(prompt, req.params.max_new_tokens), req.rid
+    stats = sched.pool.cache.stats
+    assert stats.hit_tokens > stats.prompt_tokens // 4
+    assert any(req.cached_tokens for req, _ in requests.values())
+    assert sched.pool.used_slots == 0 and sched.pool.free_count == sched.pool.num_pages
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_small_pool_evicts_and_retracts_and_stays_exact(overlap):
+    """A KV budget of a few prompts' worth and many distinct prefixes: evictions, retractions that
+    keep what they can, never a page in two places, and the whole pool free again after a flush."""
+    sched = make(num_slots=160, page_size=2)
+    requests = drive_kv(sched, overlap, shared_prefix_traffic(7, 120))
+    for req, prompt in requests.values():
+        assert req.output_ids == reference(prompt, req.params.max_new_tokens), req.rid
+    cache = sched.pool.cache
+    assert cache.stats.evicted_pages > 0 and cache.stats.hit_tokens > 0
+    assert sched.pool.used_slots == 0
+    sched.pool.free_pages.extend(cache.flush())
+    assert len(sched.pool.free_pages) == sched.pool.num_pages
+
+
+def test_a_failed_step_leaves_nothing_in_the_cache_and_unlocks_what_it_read():
+    sched = make(num_slots=512, page_size=1)
+    device = KvDevice()
+    sched.add("a", list(range(1, 30)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    while sched.has_work:
+        batch = sched.schedule()
+        sched.process(batch, device.run(batch))
+    assert sched.pool.cache.pages == 31                      # prompt and outputs, all but the last (never fed)
+    sched.add("b", list(range(1, 30)) + [7, 8], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    batch = sched.schedule()
+    req = sched.requests["b"]
+    assert req.cached_tokens == 29 and batch.seqs[0].start == 29 and batch.seqs[0].q_len == 2
+    assert sched.pool.cache.evictable == 2                  # the first answer's, which "b" does not read
+    sched.fail(req, "step failed")
+    check_pool_after(sched)
+    assert sched.pool.cache.pages == 31 and sched.pool.cache.evictable == 31
+
+
+def check_pool_after(sched: Scheduler) -> None:
+    assert not sched.running and sched.pool.used_slots == 0
+    assert len(sched.pool.free_pages) + sched.pool.cache.pages == sched.pool.num_pages
+
+
+def test_an_abort_in_flight_caches_only_what_processed_steps_wrote():
+    sched = make(num_slots=512, page_size=1)
+    device = KvDevice()
+    prompt = list(range(1, 60))
+    sched.add("a", prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    first = sched.schedule()                                  # 24 tokens
+    second = sched.schedule()                                 # the next 24, in flight with the first
+    sched.process(first, device.run(first))
+    assert sched.requests["a"].written == 24
+    sched.abort("a", "abort")
+    assert sched.pool.cache.pages == 24 and sched.requests.get("a") is None
+    sched.process(second, device.run(second))
+    sched.add("b", prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    while sched.has_work:
+        batch = sched.schedule()
+        sched.process(batch, device.run(batch))
+    assert sched.requests.get("b") is None
+    check_pool_after(sched)
+
+
+def test_a_speculative_draft_starts_where_the_cache_ends():
+    policy = SpeculativeDecoding(spec_tokens=4, draft_catches_up=True)
+    sched = make(num_slots=512, page_size=1, policy=policy)
+    sched.pool.cache.insert(list(range(1, 30)), sched.pool.free_pages[-29:][::-1])
+    del sched.pool.free_pages[-29:]
+    sched.add("a", list(range(1, 40)), SamplingParams(max_new_tokens=5, ignore_eos=True))
+    batch = sched.schedule()
+    req = sched.requests["a"]
+    assert batch.seqs[0].start == 29 and req.decode.draft_end == 39 and not batch.spec.draft_skip
+    assert req.status is Status.RUNNING and req.decode.draft_lag == 0 and req.cached_tokens == 29
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_pages_whose_draft_state_is_stale_stay_out_of_the_cache(speculative):
+    """A request that ends with its first token: its draft never reads the prompt (spec/policy.py's
+    no_decode), so with a draft its pages would carry stale draft K/V, and a seeded request reading them
+    would draw other tokens than it would alone: they are not cached. Without a draft they are."""
+    policy = SpeculativeDecoding(spec_tokens=4) if speculative else None
+    sched = make(num_slots=512, page_size=1, policy=policy)
+    device = KvDevice()
+    sched.add("one", list(range(1, 30)), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    while sched.has_work:
+        batch = sched.schedule()
+        sched.process(batch, device.run(batch))
+    assert sched.pool.cache.pages == (0 if speculative else 29)
+    assert sched.pool.used_slots == 0 and sched.pool.free_count == sched.pool.num_pages
