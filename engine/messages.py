@@ -77,7 +77,12 @@ class Wake(msgspec.Struct, tag=True):
     """DP attention: another rank of the group has work; exchange with the group now."""
 
 
-ToRank = AddRequest | AbortRequest | Shutdown | KvLayer | PrefillDone | Wake
+class FlushCache(msgspec.Struct, tag=True):
+    """Empty the prefix cache (refused while requests run: their pages are in use)."""
+    nonce: int
+
+
+ToRank = AddRequest | AbortRequest | Shutdown | KvLayer | PrefillDone | Wake | FlushCache
 
 
 # ---- rank -> front -------------------------------------------------------------
@@ -162,5 +167,11 @@ class RankReady(msgspec.Struct, tag=True):
     draft_weights: str | None = None    # the draft model's quantization, resolved (None: unquantized or no draft)
 
 
+class CacheFlushed(msgspec.Struct, tag=True):
+    """A rank's answer to FlushCache: refused (with why) or done."""
+    nonce: int
+    refused: str = ""
+
+
 FromRank = (TokenDelta | RequestRejected | RequestFailed | RankStats | RankReady | KvLayer | PrefillDone
-            | PrefillReserved)
+            | PrefillReserved | CacheFlushed)

@@ -21,8 +21,8 @@ from engine.kv_pool import KVPool
 from engine.dp import DpGroup
 from engine.disagg import PrefillExporter, RemoteKv, prefill_params
 from engine.graph_capture import capture_graphs
-from engine.messages import (AbortRequest, AddRequest, GateEstimate, KvLayer, PrefillDone, RankStats,
-                             RequestFailed, RequestRejected, Shutdown, TokenDelta)
+from engine.messages import (AbortRequest, AddRequest, CacheFlushed, FlushCache, GateEstimate, KvLayer, PrefillDone,
+                             RankStats, RequestFailed, RequestRejected, Shutdown, TokenDelta)
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.launch_budget import LaunchBudget
@@ -186,6 +186,8 @@ class Rank:
                 self.send_news(self.remote.write(msg))
             elif isinstance(msg, PrefillDone):
                 self.send_news(self.remote.activate(msg))
+            elif isinstance(msg, FlushCache):
+                self.channel.send_nowait(CacheFlushed(msg.nonce, self.scheduler.flush_cache()))
             elif isinstance(msg, Shutdown):
                 self.stop()
 

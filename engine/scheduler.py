@@ -240,6 +240,15 @@ class Scheduler:
         batch.table_slots.extend(self.pool.slots(req.pages, 0, cached))
         self.policy.on_cached(req, cached)
 
+    def flush_cache(self) -> str:
+        """Empty the prefix cache: every page it holds back to the free list. Refused (the reason
+        returned) while any request is here: a running one reads cached pages."""
+        if self.running or self.waiting or self.reserving or self.reserved:
+            return "requests are running or waiting"
+        if self.pool.cache is not None:
+            self.pool.free_pages.extend(self.pool.cache.flush())
+        return ""
+
     def release_pages(self, req: Request, keep: bool) -> None:
         """Return the request's pages: with `keep`, the full pages of K/V that processed steps wrote go
         to the cache first (the tree keeps those it lacked); the cached pages it read are unlocked."""

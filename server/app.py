@@ -63,6 +63,7 @@ def create_app(args: ServerArgs, engine: EngineClient, tokenizer: PreTrainedToke
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/flush_cache", flush_cache)
     return app
 
 
@@ -171,6 +172,16 @@ async def health(request: web.Request) -> web.Response:
     if request.app[CONTEXT].engine.is_healthy():
         return json_response({})
     raise APIError(503, "The engine is not healthy.", code="engine_dead")
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's /flush_cache (GET or POST): empty the prefix cache; 400 while requests run."""
+    if request.method not in ("GET", "POST"):
+        raise APIError(405, f"Method {request.method} is not allowed on /flush_cache.", code="method_not_allowed")
+    refused = await request.app[CONTEXT].engine.flush_cache()
+    if refused:
+        raise APIError(400, f"The cache was not flushed: {refused}.", code="flush_refused")
+    return web.Response(text="Cache flushed.\n")
 
 
 async def metrics(request: web.Request) -> web.Response:

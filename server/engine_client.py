@@ -56,6 +56,10 @@ class EngineClient(ABC):
         """Rank processes serving now."""
         return len(self.rank_stats())
 
+    async def flush_cache(self) -> str:
+        """Empty the prefix cache; why not, or "" when done."""
+        return "this engine has no prefix cache"
+
     @abstractmethod
     async def close(self) -> None:
         """Shut the ranks down."""

@@ -25,8 +25,9 @@ from typing import AsyncIterator
 from engine.args import ServerArgs
 from engine.framing import Connection
 from engine.handshake import handshake, load_secret
-from engine.messages import (AbortRequest, AddRequest, FromRank, KvLayer, PrefillDone, PrefillReserved, RankReady,
-                             RankStats, RequestFailed, RequestRejected, SamplingParams, Shutdown, TokenDelta, Wake)
+from engine.messages import (AbortRequest, AddRequest, CacheFlushed, FlushCache, FromRank, KvLayer, PrefillDone,
+                             PrefillReserved, RankReady, RankStats, RequestFailed, RequestRejected, SamplingParams,
+                             Shutdown, TokenDelta, Wake)
 from engine.rank_entry import rank_process
 from server import prefix_router
 from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
@@ -36,6 +37,7 @@ START_TIMEOUT = 600.0
 HANDSHAKE_TIMEOUT_S = 10.0
 RESTART_WINDOW_S = 600.0
 WATCH_INTERVAL_S = 0.2
+FLUSH_TIMEOUT_S = 30.0
 EXIT_GRACE_S = 2.0
 
 
@@ -85,6 +87,8 @@ class RankEngineClient(EngineClient):
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, RankLink] = {}
         self.round_robin = itertools.count()
+        self.flush_nonces = itertools.count(1)
+        self.flushes: dict[tuple[int, int], asyncio.Future] = {}     # (rank, nonce) -> its answer
         self.aborted: set[str] = set()         # aborted by the front; the stream's end must not abort again
         self.socket_dir = tempfile.mkdtemp(prefix="tandem-")
         self.socket_path = os.path.join(self.socket_dir, "front.sock")
@@ -298,8 +302,8 @@ class RankEngineClient(EngineClient):
         try:
             while True:
                 msg = await channel.recv()
-                if isinstance(msg, RankStats):
-                    link.stats = msg
+                if isinstance(msg, (RankStats, CacheFlushed)):
+                    self.rank_report(link, msg)
                     continue
                 queue = self.streams.get(msg.rid)
                 if queue is None:
@@ -312,6 +316,33 @@ class RankEngineClient(EngineClient):
                     queue.put_nowait(EngineFailed(msg.message))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             self.rank_died(link, f"connection lost ({type(exc).__name__})")
+
+    def rank_report(self, link: RankLink, msg: RankStats | CacheFlushed) -> None:
+        if isinstance(msg, RankStats):
+            link.stats = msg
+            return
+        answer = self.flushes.get((link.rank, msg.nonce))
+        if answer is not None and not answer.done():
+            answer.set_result(msg.refused)
+
+    async def flush_cache(self) -> str:
+        """Empty every rank's prefix cache; why not, or "" when done. Refused while requests run
+        (here, or on a rank: their pages are in use)."""
+        if self.streams:
+            return "requests are running"
+        nonce, loop = next(self.flush_nonces), asyncio.get_running_loop()
+        answers = {}
+        for link in (link for link in self.links if link.alive):
+            answers[link.rank, nonce] = self.flushes[link.rank, nonce] = loop.create_future()
+            link.channel.send_nowait(FlushCache(nonce))
+        try:
+            refused = await asyncio.wait_for(asyncio.gather(*answers.values()), FLUSH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return "a rank did not answer"
+        finally:
+            for key in answers:
+                self.flushes.pop(key, None)
+        return next((why for why in refused if why), "")
 
     async def watch_process(self, link: RankLink) -> None:
         process = link.process
