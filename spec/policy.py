@@ -46,11 +46,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.batch import ScheduledBatch, SeqWork, SpecPlan, StepOutput
+from engine.batch import ScheduledBatch, SeqWork, StepOutput
 from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.request import Request, Status
 from spec.gate import SpecGate
+from spec.plan import SpecPlan
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
