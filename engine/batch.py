@@ -3,6 +3,7 @@ Plain data: no tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.messages import SamplingParams
 from engine.request import Request
@@ -24,18 +25,11 @@ class SeqWork:
         return self.future_id > 0
 
 
-@dataclass
-class SpecPlan:
-    """What speculative decoding adds to a batch (spec/policy.py fills it)."""
-    decode: bool = False        # a draft/verify step of decoding requests (else a prefill batch)
-    chain: int = 0              # decode: draft tokens per request (k, or 0: a chain-0 step under load)
-    draft_lag: list[int] = field(default_factory=list)    # decode: tokens each request's draft has not read
-    length_cap: list[int] = field(default_factory=list)   # decode: each request's length (prompt + outputs) at its end
-    draft_next: list[int] = field(default_factory=list)   # prefill: the token after each chunk (-1: sampled)
-    draft_skip: bool = False    # prefill: the draft model does not read these chunks (under load)
-    no_decode: bool = False     # prefill: no request of it decodes here (each ends with its first token)
-    gate_rows: int = 0          # greedy decodes the gate chose this launch's mode for: in it, or (a prefill
-                                # batch) waiting for it; 0: the gate learns nothing from it (spec/gate.py)
+class DecodePlan(Protocol):
+    """What a decode policy adds to a batch (DecodePolicy.new_plan: spec/plan.py SpecPlan). engine/
+    carries it to the decoding (Decoding.plan_inputs) and reads only these two fields."""
+    decode: bool                # a draft/verify step of decoding requests (else a prefill batch)
+    chain: int                  # decode: draft tokens per request
 
 
 @dataclass
@@ -47,7 +41,7 @@ class ScheduledBatch:
     table_pos: list[int] = field(default_factory=list)     #   table[row, pos] = slot, for every newly
     table_slots: list[int] = field(default_factory=list)   #   allocated position
     sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
-    spec: SpecPlan | None = None                           # with speculative decoding
+    spec: DecodePlan | None = None                         # the decode policy's plan (with speculation)
     idle: bool = False          # DP attention: no rows, run only to keep this rank's collectives in step
     steps: int = 1              # decode steps run back to back (--num-scheduler-steps): plain decodes
                                 # feed one token each, then their own last; speculative ones draft

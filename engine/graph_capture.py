@@ -20,9 +20,7 @@ def planned_graphs(runner: "ModelRunner") -> list[tuple["GraphRunner", dict]]:
     """Each graph runner of the rank with the keys (and their inputs' shapes) serving may replay."""
     if runner.graphs is None:
         return []
-    worker = runner.worker
-    plans = runner.graphs.planned(speculative=worker is not None)
-    return plans + (worker.graphs.planned() if worker is not None and worker.graphs else [])
+    return runner.graphs.planned(speculative=runner.spec_tokens > 0) + runner.decoding.planned_graphs()
 
 
 def capture_graphs(runner: "ModelRunner") -> int:

@@ -1,8 +1,9 @@
 """Turns a ScheduledBatch into device work: update the request->slot table, resolve future
 inputs, run the model over the paged cache, sample, store into the future map and copy the
-sampled tokens to the host. Speculative decode steps go to the speculative worker, which sees
-the target only through a narrow handle (engine/step.py: Target). Everything after `prepare`
-runs on the rank's stream; the CPU only builds small host tensors.
+sampled tokens to the host. What a way of decoding adds (speculation: a draft's KV, draft/verify
+steps, the draft's reads of prompts) is the runner's decoding (engine/decoding.py), which sees the
+target only through a narrow handle (engine/step.py: Target). Everything after `prepare` runs on
+the rank's stream; the CPU only builds small host tensors.
 """
 from __future__ import annotations
 
@@ -19,18 +20,17 @@ from devices.cpu_native import describe_cpu_path
 from devices.graphs import GraphRunner, graph_settings
 from engine.args import ServerArgs
 from engine.batch import ScheduledBatch
+from engine.decoding import Decoding, create_decoding
 from engine.faults import FaultInjector
 from engine.future_map import FutureMap
 from engine.graph_shape import GraphShape
 from engine.models.attention import KVCache, attention_groups, build_attention_batch, padded_width
-from engine.models.base import ModelOutput
 from engine.dp import DpGroup
 from engine.models.loader import load_model, resolve_dtype
 from engine.models.moe import shard_experts
 from engine.sampling import SamplingBatch, sample
-from engine.step import RequestState, SpecInputs, StepInputs, StepResult, Target, step_result
+from engine.step import RequestState, StepInputs, StepResult, Target, step_result
 from engine.target_graphs import TargetGraphs
-from spec.base import SpecWorker, create_spec_worker
 
 log = logging.getLogger(__name__)
 
@@ -51,23 +51,23 @@ class ModelRunner:
         # (in whole pages: attention reads the table a page at a time).
         table_width = padded_width(self.context_length + 2 * self.spec_tokens + 1, args.page_size)
         dev = device.torch_device
+        self.futures = FutureMap(future_slots, dev)
         self.target = Target(model=self.model, device=device, dtype=self.dtype, vocab_size=self.hf_config.vocab_size,
                              num_rows=args.max_running_requests, table_width=table_width, page_size=args.page_size,
-                             generator=torch.Generator(device=dev).manual_seed(args.random_seed))
-        self.futures = FutureMap(future_slots, dev)
+                             generator=torch.Generator(device=dev).manual_seed(args.random_seed),
+                             futures=self.futures, dp_attention=dp is not None)
         self.faults = FaultInjector.from_env()      # a test hook; None unless TANDEM_FAULT_INJECT is set
-        self.dp_attention = dp is not None
         settings = graph_settings(device.name, args.disable_cuda_graph, args.enable_cpu_graph, args.cuda_graph_bs,
                                   args.cuda_graph_max_bs, args.max_running_requests, dev)
         self.target.graphs = TargetGraphs(settings, self.target, args.num_steps, dp) if settings else None
-        self.worker: SpecWorker | None = create_spec_worker(args, self.target) if self.spec_tokens else None
-        if self.graphs and self.worker:
-            self.graphs.capture_aux = self.worker.needs_aux
+        self.decoding: Decoding = create_decoding(args, self.target)
+        if self.graphs:
+            self.graphs.capture_aux = self.decoding.needs_aux
         self.allocate_kv()
         log.info("loaded %s (%s, %s%s) on %s; KV cache: %d tokens, context %d; speculation: %s",
                  Path(args.model_path).name, self.hf_config.architectures[0], self.dtype,
                  f", {args.quantization} weights" if args.quantization else "", dev,
-                 self.num_slots, self.context_length, self.worker.describe() if self.worker else "off")
+                 self.num_slots, self.context_length, self.decoding.describe())
         if dev.type == "cpu":
             log.info("CPU path: %s; dtype %s%s", describe_cpu_path(self.model, device.threads or None),
                      str(self.dtype).removeprefix("torch."),
@@ -102,22 +102,21 @@ class ModelRunner:
         return self.target.req_to_slot
 
     def allocate_kv(self) -> None:
-        """Size the KV cache (the target's and a draft's share slots), then allocate it and the slot table.
+        """Size the KV cache (the target's and the decoding's share slots), then allocate it and the slot table.
 
         Past the num_slots the KV pool hands out, the caches hold one more page, the padding page, and
         the slot table one more row, the padding row (Target.pad_row), whose every position maps into
         that page: padded rows of a captured step write there and nowhere else (no request owns it)."""
         layers, kv_heads, head_dim = self.model.kv_layout()
         per_slot = KVCache.bytes_per_slot(layers, kv_heads, head_dim, self.dtype)
-        self.num_slots = self.kv_capacity(per_slot + (self.worker.kv_bytes_per_slot() if self.worker else 0))
+        self.num_slots = self.kv_capacity(per_slot + self.decoding.kv_bytes_per_slot())
         dev, target, page = self.device.torch_device, self.target, self.args.page_size
         pad_page = self.num_slots // page                      # KVPool's pages are 0 .. num_slots // page - 1
         cache_slots = (pad_page + 1) * page
         target.kv = KVCache.allocate(layers, cache_slots, kv_heads, head_dim, self.dtype, dev, page)
         target.req_to_slot = torch.zeros(target.num_rows + 1, target.table_width, dtype=torch.long, device=dev)
         target.req_to_slot[target.pad_row] = pad_page * page + torch.arange(target.table_width, device=dev) % page
-        if self.worker:
-            self.worker.allocate_kv(cache_slots)
+        self.decoding.allocate_kv(cache_slots)
 
     def kv_capacity(self, bytes_per_slot: int) -> int:
         args = self.args
@@ -145,22 +144,12 @@ class ModelRunner:
             rows=long([seq.row for seq in batch.seqs]), sample_rows=long(sample_rows), future_ids=long(future_ids),
             max_q=batch.max_q, max_kv=batch.max_kv,
             sampling=SamplingBatch.build(batch.sample_params, noise_keys, self.vocab_size, torch.device("cpu")),
-            spec=self.spec_inputs(batch), steps=batch.steps,
+            spec=self.decoding.plan_inputs(batch), steps=batch.steps,
             groups=attention_groups(q_lens, kv_lens, "cpu") if not batch.is_spec_decode else None)
-
-    @staticmethod
-    def spec_inputs(batch: ScheduledBatch) -> SpecInputs | None:
-        plan = batch.spec
-        if plan is None:
-            return None
-        return SpecInputs(decode=plan.decode, chain=plan.chain, draft_lag=long_tensor(plan.draft_lag),
-                          draft_next=long_tensor(plan.draft_next), draft_skip=plan.draft_skip,
-                          no_decode=plan.no_decode, length_cap=long_tensor(plan.length_cap) if plan.decode else None,
-                          plain_decodes=not plan.decode and all(seq.decode for seq in batch.seqs))
 
     def graph_shape(self, batch: ScheduledBatch | None) -> GraphShape | None:
         """The captured graph the batch's target forward could replay (None: it runs eagerly): a
-        speculative step's verify, or (without speculation) a batch of plain decodes only."""
+        speculative step's verify, or a batch of plain decodes only where nothing else reads their forward."""
         graphs = self.graphs
         if graphs is None or batch is None or batch.idle or batch.steps > 1 or \
                 graphs.settings.size_for(len(batch.seqs)) is None:
@@ -168,7 +157,8 @@ class ModelRunner:
         width = self.target.key_width(batch.max_kv)
         if batch.is_spec_decode:
             return GraphShape("verify", len(batch.seqs), batch.chain, width)
-        if self.worker is None and all(seq.decode and seq.q_len == 1 and seq.samples for seq in batch.seqs):
+        plain_decodes = all(seq.decode and seq.q_len == 1 and seq.samples for seq in batch.seqs)
+        if plain_decodes and self.decoding.plain_decode_graphs:
             return GraphShape("decode", len(batch.seqs), 0, width)
         return None
 
@@ -184,8 +174,7 @@ class ModelRunner:
         try:
             inputs = self.prepare(batch)
             inputs.graph = graph
-            step = self.speculative_step if inputs.spec_decode else self.forward_and_sample
-            work = functools.partial(step, inputs)
+            work = functools.partial(self.run_step, inputs)
             if self.faults:
                 work = self.faults.wrap(batch, work)
         except Exception as exc:       # delivered to whoever awaits the launch, after the bookkeeping
@@ -194,20 +183,17 @@ class ModelRunner:
 
     def bookkeeping(self, batch: ScheduledBatch) -> Callable[[], None]:
         """On the stream: the slot-table entries of the pages this batch allocated (else the rows
-        read stale entries: a neighbour's slots), and with a speculative worker each completed
-        prompt's length (else its first decode step drafts from a stale length, writing past the
-        positions it was given slots for)."""
+        read stale entries: a neighbour's slots), then the decoding's (speculation: each completed
+        prompt's length)."""
         long, dev = long_tensor, self.device.torch_device
         entries = (long(batch.table_rows), long(batch.table_pos), long(batch.table_slots)) if batch.table_rows else None
-        prompts = [seq for seq in batch.seqs if seq.last_chunk and not seq.decode] if self.worker else []
-        seeds = prompts and (long([seq.row for seq in prompts]), long([seq.start + seq.q_len for seq in prompts]))
+        decoding = self.decoding.bookkeeping(batch)
 
         def write() -> None:
             if entries:
                 rows, pos, slots = entries
                 self.req_to_slot[rows.to(dev), pos.to(dev)] = slots.to(dev)
-            if seeds:
-                self.worker.kv_len[seeds[0].to(dev)] = seeds[1].to(dev)
+            decoding()
         return write
 
     # ---- on the stream -------------------------------------------------------------
@@ -216,8 +202,13 @@ class ModelRunner:
         """A host tensor of the step's inputs on the device, without waiting."""
         return tensor.to(self.device.torch_device, non_blocking=True)
 
+    def run_step(self, inp: StepInputs) -> StepResult | Deferred:
+        """On the stream: the decoding's step (a speculative one, or the target's forward_and_sample)."""
+        return self.decoding.run(self.sampling_on_device(inp), self.forward_and_sample)
+
     def forward_and_sample(self, inp: StepInputs) -> StepResult | Deferred:
-        inp = self.sampling_on_device(inp)
+        """The target's forward and sampling of a batch of prompt chunks and plain decodes; the
+        decoding then does what it adds after such a batch (Decoding.after_forward)."""
         if inp.steps > 1:
             return self.decode_steps(inp)
         put = self.put
@@ -228,21 +219,12 @@ class ModelRunner:
         groups = inp.groups and [(put(seqs), max_q, max_k) for seqs, max_q, max_k in inp.groups]
         attn = build_attention_batch(put(inp.q_lens), put(inp.kv_lens), put(inp.rows), self.req_to_slot,
                                      inp.max_q, inp.max_kv, self.kv, groups=groups)
-        out = self.model(input_ids, attn, capture_aux=self.worker is not None and self.worker.needs_aux
-                         and not self.unread(inp))
+        out = self.model(input_ids, attn, capture_aux=self.decoding.capture_aux(inp))
         if inp.sample_rows.numel() == 0:
-            if self.drafts_prompt(inp):
-                self.worker.after_prefill(inp, input_ids, attn, out, input_ids[:0])
-            return StepResult()
+            return self.decoding.after_forward(inp, input_ids, attn, out, input_ids[:0], StepResult())
         logits = self.model.compute_logits(out.hidden[put(inp.sample_rows)])
         result, tokens = self.sample_rows(inp, logits)
-        if not self.drafts_prompt(inp):
-            return result
-        if inp.spec.plain_decodes:
-            self.worker.after_prefill(inp, input_ids, attn, out, tokens)
-            return result
-        # the first tokens go out while the draft reads the prompt
-        return Deferred(result, lambda: self.worker.after_prefill(inp, input_ids, attn, out, tokens))
+        return self.decoding.after_forward(inp, input_ids, attn, out, tokens, result)
 
     def sampling_on_device(self, inp: StepInputs) -> StepInputs:
         """On the stream: the step's sampling parameters where its logits are (the draft's and the
@@ -251,14 +233,14 @@ class ModelRunner:
 
     def decode_steps(self, inp: StepInputs) -> StepResult:
         """inp.steps plain decode steps of a batch of decodes (one token each) back to back: each
-        row feeds the token it sampled last, at the next position, with the next noise key. With a
-        speculative worker, it then reads the run (plain_run_read)."""
+        row feeds the token it sampled last, at the next position, with the next noise key. Where
+        the decoding reads such a batch (a draft), it then reads the run (Decoding.read_run)."""
         put = self.put
         input_ids = self.futures.resolve(put(inp.input_ids))
         q_lens, kv_lens, rows = put(inp.q_lens), put(inp.kv_lens), put(inp.rows)
         sb = to_device(inp.sampling, self.device.torch_device)
-        reads = self.worker is not None and self.drafts_prompt(inp)
-        aux = reads and self.worker.needs_aux and not self.unread(inp)
+        reads = self.decoding.reads_prompt(inp)
+        aux = reads and self.decoding.capture_aux(inp)
         fed, outs, tokens, logits = [], [], [], []
         for step in range(inp.steps):
             attn = build_attention_batch(q_lens, kv_lens + step, rows, self.req_to_slot, 1, inp.max_kv + step, self.kv)
@@ -272,40 +254,10 @@ class ModelRunner:
             logits.append(step_logits)
         self.futures.store(put(inp.future_ids), input_ids)
         if reads:
-            self.plain_run_read(inp, torch.stack(fed, dim=1), outs, input_ids)
+            self.decoding.read_run(inp, torch.stack(fed, dim=1), outs, input_ids)
         emitted = torch.stack(tokens, dim=1)
         every = torch.stack(logits, dim=1) if sb.max_logprobs is not None else None
         return step_result(emitted, torch.full_like(input_ids, inp.steps - 1), every, sb)
-
-    def plain_run_read(self, inp: StepInputs, fed: torch.Tensor, outs: list[ModelOutput], last: torch.Tensor) -> None:
-        """The speculative worker reads a plain run as a last prompt chunk of its steps: row b fed
-        fed[b] [steps] at positions start_b .. start_b + steps - 1 (the target's outputs there in
-        `outs`, a step each) and its last sample `last[b]` lands at start_b + steps, its bonus. An
-        EAGLE head reads the run's tokens and features, as after a prompt; a draft that catches up
-        reads them later (draft_skip: standalone); the token history gets them."""
-        batch, steps = fed.shape
-        put = self.put
-        q_lens = torch.full((batch,), steps, dtype=torch.long)
-        run = dataclasses.replace(inp, q_lens=q_lens, kv_lens=inp.kv_lens + steps - 1, max_q=steps,
-                                  max_kv=inp.max_kv + steps - 1, steps=1)
-        if self.unread(inp):                   # the head steps aside: it only learns where the rows stand
-            self.worker.after_prefill(run, fed.reshape(-1), None, None, last)
-            return
-        attn = build_attention_batch(put(run.q_lens), put(run.kv_lens), put(inp.rows), self.req_to_slot, steps,
-                                     run.max_kv, self.kv)
-        out = ModelOutput(hidden=rows_first([o.hidden for o in outs]),
-                          aux_hidden=rows_first([o.aux_hidden for o in outs]))
-        self.worker.after_prefill(run, fed.reshape(-1), attn, out, last)
-
-    def unread(self, inp: StepInputs) -> bool:
-        """A batch the speculative worker skips for good (spec/policy.py `aside`): nothing to lay out for it."""
-        return inp.spec.draft_skip and self.worker.falls_behind
-
-    def drafts_prompt(self, inp: StepInputs) -> bool:
-        """Does the speculative worker read this prefill batch? Not when none of its requests decodes
-        here (SpecPlan.no_decode), except under DP attention: there every rank makes the same model
-        calls a step, whatever its rows need."""
-        return self.worker is not None and (self.dp_attention or not inp.spec.no_decode)
 
     def sample_rows(self, inp: StepInputs, logits: torch.Tensor) -> tuple[StepResult, torch.Tensor]:
         """A token from each sampling sequence's logits, stored in its future: the result and the tokens."""
@@ -314,75 +266,36 @@ class ModelRunner:
         self.futures.store(self.put(inp.future_ids), tokens)
         return step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb), tokens
 
-    def speculative_step(self, inp: StepInputs) -> StepResult:
-        """One speculative step, or inp.steps of them back to back: each round drafts and verifies
-        from the lengths and bonus tokens the round before left on the device. Where the host reads
-        device tensors for free (the CPU), the rounds stop once every row's request has all its tokens
-        (worker.rows_ended): a round of ended rows emits nothing the host keeps (a launch planned while
-        the one before ran cannot know that its requests end there), and a run of 3.2 tokens a round
-        at concurrency 1 left a third of the rounds so). That holds for the first round too: under
-        overlap a request's last launch is followed by one planned before its end was known, which
-        then runs no round at all."""
-        inp = self.sampling_on_device(inp)
-        if inp.steps > 1:
-            rounds = []
-            for i in range(inp.steps):
-                if self.worker.trims and self.worker.rows_ended(inp):
-                    break
-                rounds.append(self.worker.decode_step(inp.round(i)))
-            result = StepResult.of_rounds(rounds, inp.rows.numel())
-        else:
-            result = self.worker.decode_step(inp)
-        put = self.put
-        # each request's future: its last emitted token (the input of a plain decode that follows)
-        self.futures.store(put(inp.future_ids), self.worker.bonus[put(inp.rows)])
-        return result
-
     def idle_step(self, decode: bool, graph: GraphShape | None = None) -> StepResult:
         """On the stream: a step with no rows that makes the same sequence of model calls as a real
-        one (a prefill batch, or a decode step with the whole chain), so that a rank with no work can
-        join the collectives of the others; with `graph` (what the group agreed), a replay of that
-        graph with padding only."""
+        one (a prefill batch, or a decode step: the decoding's whole sequence), so that a rank with
+        no work can join the collectives of the others; with `graph` (what the group agreed), a
+        replay of that graph with padding only."""
         if graph is not None:
             self.graphs.idle(graph)
             return StepResult()
-        inp = self.idle_inputs(decode)
-        if decode and self.worker:
-            return self.speculative_step(inp)
-        result = self.forward_and_sample(inp)
+        result = self.decoding.idle_step(decode, self.forward_and_sample)
         return result.result if isinstance(result, Deferred) else result
-
-    def idle_inputs(self, decode: bool) -> StepInputs:
-        empty = torch.zeros(0, dtype=torch.long)
-        chain = self.spec_tokens - 1 if decode and self.worker else 0
-        spec = SpecInputs(decode=decode, chain=chain, draft_lag=empty, draft_next=empty, trim=False) \
-            if self.worker else None
-        return StepInputs(input_ids=empty, q_lens=empty,
-                          kv_lens=empty, rows=empty, sample_rows=empty, future_ids=empty, max_q=chain + 1,
-                          max_kv=chain + 1, sampling=SamplingBatch.build([], [], self.vocab_size, torch.device("cpu")),
-                          spec=spec)
 
     # ---- a request's state, to continue elsewhere (on the stream) --------------------
 
     def export_chunk(self, row: int | None, slots: list[int]) -> tuple[list, list, dict]:
         """The KV of the given slots, the draft's too, and (given a row) the row's draft state."""
         index = self.slot_index(slots)
-        draft_kv = read_kv(self.worker.draft_kv, index) if self.worker and self.worker.draft_kv else []
-        draft_row = self.worker.export_row(row) if self.worker and row is not None else {}
-        return read_kv(self.kv, index), draft_kv, draft_row
+        draft_row = self.decoding.export_row(row) if row is not None else {}
+        return self.kv.read_slots(index), self.decoding.read_draft_kv(index), draft_row
 
     def import_state(self, row: int, slots: list[int], state: RequestState, token_ids: list[int]) -> None:
         """Write an exported request into `row`, whose positions 0..len(slots)-1 have `slots`."""
         index = self.slot_index(slots[:state.kv_len])
-        write_kv(self.kv, index, state.target_kv)
-        if self.worker and self.worker.draft_kv:
-            write_kv(self.worker.draft_kv, index, state.draft_kv)
+        self.kv.write_slots(index, state.target_kv)
+        self.decoding.write_draft_kv(index, state.draft_kv)
         self.activate_row(row, slots, state.draft_row, token_ids, state.kv_len)
 
     def write_kv_layer(self, slots: list[int], layer: int, kind: str, pair: torch.Tensor) -> None:
         """One layer's K and V [2, n, kv_heads, head_dim] of some positions of a request, arriving
         from a prefill node, into their slots."""
-        cache = self.kv if kind == "target" else self.worker.draft_kv if self.worker else None
+        cache = self.kv if kind == "target" else self.decoding.draft_kv
         if cache is None or not 0 <= layer < len(cache.k) or tuple(pair.shape[2:]) != tuple(cache.k[0].shape[1:]) \
                 or pair.shape[:2] != (2, len(slots)):
             raise ValueError(f"a {kind} KV block of shape {list(pair.shape)} for layer {layer} does not fit this cache")
@@ -391,11 +304,10 @@ class ModelRunner:
         cache.v[layer].index_copy_(0, index, pair[1].to(cache.v[layer].device, cache.v[layer].dtype))
 
     def activate_row(self, row: int, slots: list[int], draft_row: dict, token_ids: list[int], kv_len: int) -> None:
-        """A request whose KV is in place starts decoding in `row`: its slot table, and the speculative
-        worker's per-row state (the bonus is its token at kv_len)."""
+        """A request whose KV is in place starts decoding in `row`: its slot table, and the decoding's
+        per-row state (speculation: the bonus is its token at kv_len)."""
         self.req_to_slot[row, :len(slots)] = self.slot_index(slots)
-        if self.worker:
-            self.worker.import_row(row, draft_row, token_ids, kv_len)
+        self.decoding.import_row(row, draft_row, token_ids, kv_len)
 
     def slot_index(self, slots: list[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.long, device=self.device.torch_device)
@@ -403,9 +315,9 @@ class ModelRunner:
     # ---- graphs ---------------------------------------------------------------------------
 
     def graph_runners(self) -> list[GraphRunner]:
-        """Every graph runner made so far: the target's and the draft worker's."""
+        """Every graph runner made so far: the target's and the decoding's (a draft's)."""
         runners = self.graphs.runners() if self.graphs else []
-        return runners + (self.worker.graphs.runners() if self.worker and self.worker.graphs else [])
+        return runners + self.decoding.graph_runners()
 
     def graph_stats(self) -> dict[str, int]:
         """Replays, padded rows and (DP attention) idle replays since start, for RankStats."""
@@ -430,24 +342,8 @@ def reraise(exc: Exception) -> None:
     raise exc
 
 
-def rows_first(steps: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """Per-step outputs [B, ...] of a run as a chunk's: row b's steps one after another [B * steps, ...]."""
-    return None if steps[0] is None else torch.stack(steps, dim=1).flatten(0, 1)
-
-
 def long_tensor(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
-
-
-def read_kv(kv: KVCache, index: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.stack([k.index_select(0, index), v.index_select(0, index)]).to("cpu") for k, v in zip(kv.k, kv.v)]
-
-
-def write_kv(kv: KVCache, index: torch.Tensor, layers: list[torch.Tensor]) -> None:
-    for k, v, kv_pair in zip(kv.k, kv.v, layers):
-        pair = kv_pair.to(k.device)
-        k.index_copy_(0, index, pair[0])
-        v.index_copy_(0, index, pair[1])
 
 
 def sampling_rows(batch: ScheduledBatch) -> tuple[list[int], list[int], list[int]]:

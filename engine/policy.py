@@ -7,14 +7,15 @@ for them, and keeps its own record of each request (`Request.decode`):
   PlainDecoding            one token per decode, in the same batch as prompt chunks
   SpeculativeDecoding      a draft/verify run per decode (spec/policy.py); plain decodes under load
 
-Each policy has a device-side counterpart that runs its steps: the model runner's forward for
-plain decoding, a speculative worker (spec/*_worker.py) for speculation.
+Each policy has a device-side counterpart that runs its steps and makes the policy (engine/
+decoding.py: a Decoding): the plain decoder for plain decoding, a speculative worker
+(spec/*_worker.py) for speculation.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.batch import ScheduledBatch, SeqWork, StepOutput
+from engine.batch import DecodePlan, ScheduledBatch, SeqWork, StepOutput
 from engine.request import Request
 
 if TYPE_CHECKING:
@@ -33,8 +34,8 @@ class DecodePolicy:
         """The policy's record of a new request (Request.decode)."""
         return None
 
-    def new_plan(self) -> object:
-        """What the policy adds to a new batch (ScheduledBatch.spec)."""
+    def new_plan(self) -> "DecodePlan | None":
+        """What the policy adds to a new batch (ScheduledBatch.spec; its decoding reads it: Decoding.plan_inputs)."""
         return None
 
     def is_decoding(self, req: Request) -> bool:

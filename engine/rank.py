@@ -26,11 +26,8 @@ from engine.messages import (AbortRequest, AddRequest, CacheFlushed, FlushCache,
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.launch_budget import LaunchBudget
-from engine.multi_step import MultiStepDecoding
-from engine.policy import DecodePolicy, PlainDecoding
+from engine.policy import DecodePolicy
 from engine.scheduler import Scheduler, SchedulerConfig
-from spec.gate import SpecGate
-from spec.policy import SpeculativeDecoding
 from engine.trace import Tracer
 from engine.framing import Connection
 
@@ -47,22 +44,19 @@ def scheduler_config(args: ServerArgs, runner: ModelRunner, future_slots: int) -
 
 
 def decode_policy(args: ServerArgs, runner: ModelRunner) -> DecodePolicy:
-    """The CPU side of how the runner decodes: plainly, or with its speculative worker."""
+    """The CPU side of how the runner decodes: the policy its decoding makes (engine/decoding.py)."""
     steps, budget = args.scheduler_steps(runner.device.name), LaunchBudget(args.max_launch_ms / 1000)
     log.info("decode launches: %s", "one step each" if steps == 1 else
              f"up to {steps} steps each while no prompt waits" +
              (f", as many as fit in {args.max_launch_ms:g} ms" if args.max_launch_ms else ""))
-    if runner.worker is None:
-        return MultiStepDecoding(steps, budget) if steps > 1 else PlainDecoding()
-    gate = SpecGate() if args.adaptive_speculation(runner.device.name) else None
-    off = args.spec_off_batch_size
-    fixed = f"; every decode plain from {off} decoding requests (--speculative-disable-by-batch-size)" if off else ""
-    log.info("speculation gate: %s%s", gate.describe() if gate else
-             f"off (--speculative-adaptive {args.speculative_adaptive})", fixed)
-    # under DP attention every rank makes the same model calls a step: the draft reads what any rank runs
-    falls_behind = runner.worker.falls_behind and not args.enable_dp_attention
-    return SpeculativeDecoding(runner.spec_tokens, off, runner.worker.catches_up, rounds=steps, budget=budget,
-                               gate=gate, draft_falls_behind=falls_behind)
+    policy = runner.decoding.policy(steps, budget)
+    if runner.spec_tokens:
+        off = args.spec_off_batch_size
+        fixed = f"; every decode plain from {off} decoding requests (--speculative-disable-by-batch-size)" \
+            if off else ""
+        log.info("speculation gate: %s%s", policy.gate.describe() if policy.gate else
+                 f"off (--speculative-adaptive {args.speculative_adaptive})", fixed)
+    return policy
 
 
 def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer: Tracer | None = None,
@@ -243,7 +237,7 @@ class Rank:
         self.last_stats = now
 
     def spec_log_text(self) -> str:
-        if not self.runner.worker:
+        if not self.runner.spec_tokens:
             return ""
         policy = self.scheduler.policy
         text = f", accept length {self.accept_length():.2f}"

@@ -71,7 +71,7 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
                                  description=f"{Path(args.model_path).name} on {device.torch_device}",
                                  dtype=str(worker.runner.dtype).removeprefix("torch."),
                                  kv_dtype=str(worker.runner.target.kv.k[0].dtype).removeprefix("torch."),
-                                 draft_weights=getattr(worker.runner.worker, "draft_weights", None)))
+                                 draft_weights=getattr(worker.runner.decoding, "draft_weights", None)))
     try:
         await worker.run()
     except EngineBroken as exc:

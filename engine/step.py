@@ -1,11 +1,10 @@
-"""The typed contract between the model runner, the speculative workers and the engine core:
-what a launched step reads (StepInputs, host tensors built on the CPU) and what it produces
+"""The typed contract between the model runner, its decoding (engine/decoding.py) and the engine
+core: what a launched step reads (StepInputs, host tensors built on the CPU) and what it produces
 (StepResult, host tensors read once its launch resolved), and the narrow handle on the target
-model that a speculative worker gets (Target) instead of the whole runner.
+model that a decoding gets (Target) instead of the whole runner.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,23 +17,9 @@ from engine.sampling import SamplingBatch, token_logprobs
 if TYPE_CHECKING:
     from devices.base import Device
     from engine.models.attention import KVCache, Group
+    from engine.future_map import FutureMap
     from engine.models.base import CausalLM
     from engine.target_graphs import TargetGraphs
-
-
-@dataclass
-class SpecInputs:
-    """What a speculative step (or a prefill with speculation on) adds to its inputs."""
-    decode: bool                  # a draft/verify step (else a prefill batch)
-    chain: int                    # decode: draft tokens per request (0: a plain step under load)
-    draft_lag: torch.Tensor       # decode: tokens each request's draft model has not read yet
-    draft_next: torch.Tensor      # prefill: the token after each chunk (-1: the sampled one)
-    draft_skip: bool = False      # prefill: the draft model does not read this batch
-    no_decode: bool = False       # prefill: no request of it decodes here; the draft need not read it
-    plain_decodes: bool = False   # prefill: plain decodes alone; the draft reads them before the launch
-                                  # resolves, so the launch's device time (the gate's plain cost) counts it
-    trim: bool = True             # decode: rows may verify fewer drafts where the device reads for free
-    length_cap: torch.Tensor | None = None    # decode: each row's length at its request's end (max tokens, context)
 
 
 @dataclass
@@ -49,22 +34,18 @@ class StepInputs:
     max_q: int
     max_kv: int
     sampling: SamplingBatch
-    spec: SpecInputs | None = None
+    spec: Any = None                      # what the decoding adds (Decoding.plan_inputs; spec/inputs.py)
     groups: list[Group] | None = None     # attention parts (host indices): decodes apart from prompt chunks
     graph: GraphShape | None = None       # the captured graph its target forward replays (None: eager)
     steps: int = 1                        # decode steps back to back (ScheduledBatch.steps)
 
-    @property
-    def spec_decode(self) -> bool:
-        return self.spec is not None and self.spec.decode
-
-    def round(self, i: int) -> "StepInputs":
-        """Round i of a multi-round speculative launch: the noise keys i steps further; the draft
-        read everything the round before accepted (no lag). The rows' positions live on the device."""
-        if i == 0:
-            return self
-        return dataclasses.replace(self, sampling=self.sampling.advanced(i),
-                                   spec=dataclasses.replace(self.spec, draft_lag=torch.zeros_like(self.spec.draft_lag)))
+    @classmethod
+    def empty(cls, vocab_size: int, width: int, spec: Any = None) -> "StepInputs":
+        """A batch with no rows whose steps are `width` tokens a row (an idle step: DP attention)."""
+        empty = torch.zeros(0, dtype=torch.long)
+        return cls(input_ids=empty, q_lens=empty, kv_lens=empty, rows=empty, sample_rows=empty, future_ids=empty,
+                   max_q=width, max_kv=width, sampling=SamplingBatch.build([], [], vocab_size, torch.device("cpu")),
+                   spec=spec)
 
 
 @dataclass
@@ -140,7 +121,7 @@ class RequestState:
 
 @dataclass
 class Target:
-    """What a speculative worker may use of the target side. `kv` and `req_to_slot` are set once
+    """What a decoding (a speculative worker) may use of the target side. `kv` and `req_to_slot` are set once
     the cache is sized (a draft's own KV counts in that size).
 
     The slot table has one row more than there are request rows: row `pad_row` is the padding row of
@@ -157,6 +138,8 @@ class Target:
     kv: KVCache | None = None
     req_to_slot: torch.Tensor | None = None
     graphs: TargetGraphs | None = None        # the target's captured steps (None: graphs off)
+    futures: FutureMap | None = None          # where a step stores each sampling row's last token
+    dp_attention: bool = False                # DP attention: every rank makes the same model calls a step
 
     @property
     def torch_device(self) -> torch.device:

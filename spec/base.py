@@ -1,6 +1,8 @@
 """Speculative decoding, device side: a worker owns the draft (a draft model and its KV cache,
 or none) and the per-row speculative state on the device; it sees the target only through a
-narrow handle (engine/step.py: Target). Its CPU-side counterpart is spec/policy.py.
+narrow handle (engine/step.py: Target). It is the model runner's decoding (engine/decoding.py;
+what that adds around its steps: spec/decoder.py) and makes its CPU-side counterpart,
+spec/policy.py.
 
 Per-row device state, written by the step that produced it and read by the next (the device
 runs steps in order, so the CPU never waits for it):
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +30,7 @@ from engine.models.attention import KVCache, build_attention_batch, padded_width
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from engine.step import StepInputs, StepResult, Target, step_result
 from spec.chains import Chain, ConfidenceTrim, expand
+from spec.decoder import SpecDecoder
 from spec.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -75,16 +78,11 @@ class Verified:
         return torch.cumsum(self.q_lens, 0) - self.q_lens + cols
 
 
-class SpecWorker(ABC):
-    needs_aux = False          # the target must return EAGLE-3 aux hidden states
-    catches_up = False         # the draft can skip prefill batches and read what it missed later
-    falls_behind = False       # it can skip reading a batch, whose requests then never draft again (policy's `behind`)
-    draft_kv: KVCache | None = None
-    graphs = None              # its captured draft steps (spec/draft_graphs.py), where graphs are on
+class SpecWorker(SpecDecoder):
     draft_weights: str | None = None     # the draft model's quantization (draft_quantization)
 
     def __init__(self, args: "ServerArgs", target: Target):
-        self.args, self.target = args, target
+        super().__init__(args, target)
         rows, dev = target.num_rows, target.torch_device
         self.kv_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.bonus = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -120,11 +118,6 @@ class SpecWorker(ABC):
 
     def extend(self, inp: StepInputs, rows: torch.Tensor, L: torch.Tensor, v: Verified, marks: list) -> None:
         """After verification: the draft reads what was verified (EAGLE: its extend phase)."""
-
-    @abstractmethod
-    def after_prefill(self, inp: StepInputs, input_ids: torch.Tensor, attn: "AttentionBatch",
-                      out: "ModelOutput", sampled: torch.Tensor) -> None:
-        """On the stream, after a prefill batch sampled: seed the rows whose prompt is now complete."""
 
     def mark(self, phase: str, marks: list) -> None:
         """Record the end of a phase (draft, verify, extend) of the step being launched."""

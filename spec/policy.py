@@ -29,7 +29,7 @@ positions and gives back what the rounds did not accept. Round i samples with th
 the i-th step of the launch, so the outputs are those of N launches of one step each. Plain
 decodes with no prompt waiting run up to N steps too (`feed_plain_run`, as engine/multi_step.py
 feeds them; kv_len stays exact), and the worker reads the run as a last chunk of N tokens per
-request (ModelRunner.plain_run_read).
+request (spec/decoder.py: SpecDecoder.read_run).
 
 A draft model that skipped plain steps catches up in the next drafting step; `draft_lag` (tokens
 its draft has not read) is exact on the CPU because each of those steps emitted exactly one
@@ -46,11 +46,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.batch import ScheduledBatch, SeqWork, SpecPlan, StepOutput
+from engine.batch import ScheduledBatch, SeqWork, StepOutput
 from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.request import Request, Status
 from spec.gate import SpecGate
+from spec.plan import SpecPlan
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler

@@ -81,7 +81,7 @@ async def test_the_draft_reads_no_prompt_that_ends_with_its_first_token(algorith
     request (a prefill node's, whose draft KV leaves with it) and one that decodes still get theirs;
     the outputs are plain decoding's. (The prefix cache is off: a prompt sent again would be read from it.)"""
     engine = Engine(BASE + ALGORITHMS[algorithm] + ["--disable-radix-cache"])
-    worker, read = engine.core.runner.worker, []
+    worker, read = engine.core.runner.decoding, []
     after_prefill = worker.after_prefill
 
     def counted(inp, *rest):
@@ -189,8 +189,8 @@ class CallLog:
 
 def models_of(runner) -> dict[str, torch.nn.Module]:
     models = {"target": runner.model}
-    worker = runner.worker
-    if worker is not None:
+    worker = runner.decoding
+    if runner.spec_tokens:
         draft = getattr(worker, "head", None) or getattr(worker, "draft_model", None)
         if draft is not None:
             models["draft"] = draft
@@ -231,8 +231,8 @@ async def test_an_idle_step_makes_the_same_model_calls_with_no_rows(case, prompt
                                 "--cpu-kernels", "torch"]
     engine = Engine(flags)
     runner = engine.core.runner
-    if runner.worker:
-        runner.worker.trims = False           # a whole chain every step, as ranks in lockstep run it
+    if runner.spec_tokens:
+        runner.decoding.trims = False           # a whole chain every step, as ranks in lockstep run it
     log = CallLog(models_of(runner))
     kinds: list[bool] = []
     engine.core.observers.append(lambda done: kinds.append(done.batch.is_spec_decode))
@@ -246,7 +246,7 @@ async def test_an_idle_step_makes_the_same_model_calls_with_no_rows(case, prompt
             steps.append((kinds[-1], log.names()))
         prefill_calls = steps[0][1]
         decode_calls = steps[1][1]
-        assert steps[1][0] == (runner.worker is not None)
+        assert steps[1][0] == bool(runner.spec_tokens)
         for decode, real in ((False, prefill_calls), (True, decode_calls)):
             log.calls.clear()
             await engine.device.launch(functools.partial(runner.idle_step, decode))

@@ -183,8 +183,8 @@ def generate(flags: list[str], whole_chains: bool = False, device_name: str = "c
     args = parse_args(BASE + ["--device", device_name] + flags)
     device = create_device(device_name)
     core = build_core(args, device, eos_ids=frozenset())
-    if whole_chains and core.runner.worker:
-        core.runner.worker.trims = False
+    if whole_chains and core.runner.spec_tokens:
+        core.runner.decoding.trims = False
     run = Run(outputs=[])
 
     def observe(done) -> None:
@@ -204,7 +204,7 @@ def generate(flags: list[str], whole_chains: bool = False, device_name: str = "c
     finally:
         device.close()
     runner = core.runner
-    caches = [runner.kv] + ([runner.worker.draft_kv] if runner.worker and runner.worker.draft_kv else [])
+    caches = [runner.kv] + ([runner.decoding.draft_kv] if runner.decoding.draft_kv else [])
     run.kv = [layer[:runner.num_slots] for cache in caches for layer in cache.k + cache.v]
     for runner in core.runner.graph_runners():
         run.replays[runner.name] = dict(runner.replays)

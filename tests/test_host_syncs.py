@@ -88,7 +88,7 @@ def eagle_outputs(device: CpuDevice, setup: HostSyncs | None = None) -> list[lis
             core = build_core(args, device, eos_ids=frozenset())
     else:
         core = build_core(args, device, eos_ids=frozenset())
-    core.runner.worker.trims = False
+    core.runner.decoding.trims = False
 
     async def run() -> list[list[int]]:
         greedy = [SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)] * 2

@@ -192,7 +192,7 @@ def test_the_draft_model_is_quantized_as_the_flag_resolves(algorithm, flags, exp
     try:
         core = build_core(parse_args(["--model-path", str(DENSE), "--speculative-algorithm", algorithm, *flags]),
                           device, eos_ids=frozenset())
-        worker = core.runner.worker
+        worker = core.runner.decoding
         draft = worker.head if algorithm == "eagle" else worker.draft_model
         assert worker.draft_weights == expected
         kind = {"int8": Int8Linear, "w8a8_int8": W8A8Linear}.get(expected)

@@ -66,6 +66,18 @@ class KVCache:
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def read_slots(self, index: torch.Tensor) -> list[torch.Tensor]:
+        """K and V of these slots, per layer [2, n, kv_heads, head_dim], on the host."""
+        return [torch.stack([k.index_select(0, index), v.index_select(0, index)]).to("cpu")
+                for k, v in zip(self.k, self.v)]
+
+    def write_slots(self, index: torch.Tensor, layers: list[torch.Tensor]) -> None:
+        """Write what read_slots gave into these slots."""
+        for k, v, pair in zip(self.k, self.v, layers):
+            pair = pair.to(k.device)
+            k.index_copy_(0, index, pair[0])
+            v.index_copy_(0, index, pair[1])
+
 
 @dataclass
 class AttentionPart:
