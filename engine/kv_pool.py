@@ -6,6 +6,8 @@ in a request = pages[p // page_size] * page_size + p % page_size.
 """
 from __future__ import annotations
 
+from engine.stats import Stat, gauge
+
 
 class KVPool:
     def __init__(self, num_slots: int, page_size: int, num_rows: int):
@@ -21,6 +23,10 @@ class KVPool:
     @property
     def used_slots(self) -> int:
         return (self.num_pages - len(self.free_pages)) * self.page_size
+
+    def stats(self) -> list[Stat]:
+        return [gauge("tandem_kv_slots_used", "KV cache slots in use.", self.used_slots),
+                gauge("tandem_kv_slots_total", "KV cache slots in all.", self.total_slots)]
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
