@@ -37,7 +37,7 @@ from engine.model_runner import ModelRunner
 from engine.messages import SamplingParams
 from engine.request import Request, Status
 from engine.scheduler import ScheduledBatch, Scheduler, StepOutput
-from engine.stats import MEAN, Stat, counter, gauge
+from engine.stats import Stat, counter
 from engine.step import RequestState, StepResult
 from engine.trace import OverlapMeter, Tracer
 
@@ -88,9 +88,7 @@ class EngineCore:
         return self.in_flight is not None or self.scheduler.has_work
 
     def stats(self) -> list[Stat]:
-        return [gauge("tandem_hidden_cpu_fraction", "Share of CPU scheduling time hidden behind device work (mean "
-                      "over ranks).", self.meter.hidden_fraction, MEAN),
-                counter("tandem_failed_steps", "Launched steps that failed; only their requests got errors (since "
+        return [counter("tandem_failed_steps", "Launched steps that failed; only their requests got errors (since "
                         "the ranks started).", self.failed_steps)]
 
     async def step(self, stopping: bool = False) -> list[Request]:

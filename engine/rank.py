@@ -247,5 +247,5 @@ def component_tables(core: EngineCore, spec: SpecStats, dp: DpGroup | None) -> l
     scheduler, runner = core.scheduler, core.runner
     dp_counters = dp.counters if dp else DpCounters()
     idle_replays = (lambda: runner.graphs.idle_replays) if runner.graphs else (lambda: 0)
-    return [scheduler.stats, scheduler.pool.stats, core.stats, lambda: spec.stats(scheduler.policy),
+    return [scheduler.stats, scheduler.pool.stats, core.meter.stats, core.stats, lambda: spec.stats(scheduler.policy),
             dp_counters.stats, lambda: graph_stats(runner.graph_runners(), idle_replays()), process_stats]

@@ -74,9 +74,17 @@ class PdCollector(Collector):
                                   value=stats.transfer_seconds)
 
 
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def mean_measured(values: list[float]) -> float:
+    """0 means not measured yet."""
+    return mean([value for value in values if value > 0] or [0.0])
+
+
 FAMILIES = {COUNTER: CounterMetricFamily, GAUGE: GaugeMetricFamily}
-COMBINE = {SUM: sum, MEAN: lambda values: sum(values) / len(values),
-           MEAN_MEASURED: lambda values: COMBINE[MEAN]([v for v in values if v > 0] or [0.0])}
+COMBINE = {SUM: sum, MEAN: mean, MEAN_MEASURED: mean_measured}
 
 
 def by_name(ranks: list[RankStats]) -> dict[str, list[Stat]]:
