@@ -4,7 +4,7 @@ counters live, e.g. the KV pool's:
     def stats(self) -> list[Stat]:
         return [gauge("tandem_kv_slots_used", "KV cache slots in use.", self.used_slots), ...]
 
-A rank sends the tables of all its components in one RankStats (engine/rank.py: Rank.stat_tables);
+A rank sends the tables of all its components in one RankStats (engine/rank.py: component_tables);
 the front (server/metrics.py) merges the ranks' entries by name and serves each as its entry says,
 naming none of them: a new component's metrics reach /metrics without an edit there.
 
