@@ -92,8 +92,8 @@ class Rank:
         self.wake = asyncio.Event()
         self.stopping = False
         self.generated = 0
-        self.spec = SpecStats(self.runner.spec_tokens)
-        self.stat_tables = component_tables(self.core, self.spec, dp)
+        self.spec_stats = SpecStats(self.runner.spec_tokens)
+        self.stat_tables = component_tables(self.core, self.spec_stats, dp)
         self.last_log = time.perf_counter()
         self.last_stats = 0.0                 # the first loop iteration reports: /metrics has the KV size at once
 
@@ -125,10 +125,10 @@ class Rank:
         self.generated += sum(len(run) for run in done.output.tokens)
         if not done.batch.is_spec_decode:
             return
-        self.spec.count(done.batch, done.output)
+        self.spec_stats.count(done.batch, done.output)
         t = done.launched.started
         for phase, seconds in self.runner.phase_times(done.result):
-            self.spec.add_phase(phase, seconds)
+            self.spec_stats.add_phase(phase, seconds)
             self.tracer.span("device", phase, t, t + seconds)
             t += seconds
 
@@ -233,7 +233,7 @@ class Rank:
                      self.rank, self.generated / (now - self.last_log), len(self.scheduler.running),
                      len(self.scheduler.waiting), self.pool.used_slots, self.pool.total_slots,
                      100 * self.core.meter.hidden_fraction,
-                     self.spec.log_text(self.scheduler.policy))
+                     self.spec_stats.log_text(self.scheduler.policy))
             self.generated, self.last_log = 0, now
         self.last_stats = now
 

@@ -13,6 +13,7 @@ from engine.core import EngineCore
 from engine.dp import DpCounters
 from engine.kv_pool import KVPool
 from engine.messages import FromRank, RankStats
+from engine.policy import PlainDecoding
 from engine.rank import Rank, component_tables
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import GAUGE, MEAN, counter, gauge, per_label
@@ -191,3 +192,12 @@ def test_a_new_components_table_reaches_metrics_without_an_edit_there():
     assert m["tandem_test_widgets_total"] == 7 and m["tandem_test_widgets_blue_share"] == 0.5
     assert m['tandem_test_widgets_now{colour="blue"}'] == 6 and m['tandem_test_widgets_now{colour="red"}'] == 2
     assert m["tandem_num_running_reqs"] == 0          # the components' own tables beside it
+
+
+def test_the_rank_log_line_says_what_speculation_did():
+    spec, policy = SpecStats(3), SpeculativeDecoding(3)
+    spec.accept_hist = [1, 0, 1]
+    assert spec.log_text(policy) == ", accept length 2.00"
+    policy.off_steps, policy.gate_steps = 4, 2
+    assert spec.log_text(policy) == ", accept length 2.00, speculation off for 4 steps (load), plain for 2 steps (gate)"
+    assert SpecStats(0).log_text(PlainDecoding()) == ""          # no speculation: nothing to say
