@@ -37,6 +37,7 @@ from engine.model_runner import ModelRunner
 from engine.messages import SamplingParams
 from engine.request import Request, Status
 from engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+from engine.stats import Stat, counter
 from engine.step import RequestState, StepResult
 from engine.trace import OverlapMeter, Tracer
 
@@ -85,6 +86,10 @@ class EngineCore:
     @property
     def busy(self) -> bool:
         return self.in_flight is not None or self.scheduler.has_work
+
+    def stats(self) -> list[Stat]:
+        return [counter("tandem_failed_steps", "Launched steps that failed; only their requests got errors (since "
+                        "the ranks started).", self.failed_steps)]
 
     async def step(self, stopping: bool = False) -> list[Request]:
         """One iteration; returns the requests with news for the front (outputs, or their end).
@@ -175,7 +180,7 @@ class EngineCore:
         self.plan = await asyncio.to_thread(self.dp.agree, batch is not None, stopping, graph)
         self.tracer.span("schedule", "sync", start, time.perf_counter())
         if batch is None and self.plan.run:
-            self.dp.idle_steps += 1
+            self.dp.counters.idle_steps += 1
             return ScheduledBatch(step=self.scheduler.step, seqs=[], input_ids=[], idle=True)
         return batch
 

@@ -177,5 +177,12 @@ def create_decoding(args: "ServerArgs", target: Target) -> Decoding:
     """Plain decoding, or the speculative worker of --speculative-algorithm (spec/base.py's registry)."""
     if not args.num_steps:
         return PlainDecoder(args, target)
-    from spec.base import create_spec_worker        # lazily: a server without speculation never loads spec/
+    from spec.base import create_spec_worker        # lazily: a server without speculation loads no spec worker
     return create_spec_worker(args, target)
+
+
+def speculation_stats(spec_tokens: int):
+    """Speculation's statistics since start (spec/stats.py: SpecStats); without speculation (spec_tokens 0)
+    every rank still reports them, as zeros."""
+    from spec.stats import SpecStats
+    return SpecStats(spec_tokens)

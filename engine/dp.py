@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from engine.graph_shape import GraphShape, agreed_graph, encode_for_group
+from engine.stats import Stat, counter
 
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 30
@@ -61,6 +62,29 @@ class StepPlan:
     graph: GraphShape | None = None     # the captured graph every rank's target forward replays (None: eager)
 
 
+@dataclass
+class DpCounters:
+    """What keeping in step with the group cost this rank, since start (a rank without DP attention
+    reports them as zeros: /metrics has them on every server)."""
+    sync_seconds: float = 0.0     # in the per-step exchange
+    exchanges: int = 0            # per-step exchanges, idle polling included
+    steps: int = 0                # steps the group ran (this rank's real or idle forwards)
+    idle_steps: int = 0           # steps run with no rows, to keep in step with the group
+    padding_tokens: int = 0       # rows the MoE exchange padded to the group's largest
+
+    def stats(self) -> list[Stat]:
+        return [counter("tandem_dp_idle_steps", "DP attention: steps ranks ran with no rows, to keep in step with "
+                        "their group.", self.idle_steps),
+                counter("tandem_dp_padding_tokens", "DP attention: rows the MoE exchange padded to the group's "
+                        "largest.", self.padding_tokens),
+                counter("tandem_dp_sync_seconds", "DP attention: seconds ranks spent in the per-step exchange "
+                        "(summed over ranks).", self.sync_seconds),
+                counter("tandem_dp_exchanges", "DP attention: per-step exchanges, idle polling included (summed "
+                        "over ranks).", self.exchanges),
+                counter("tandem_dp_steps", "DP attention: steps run, idle ones included (summed over ranks).",
+                        self.steps)]
+
+
 class DpGroup:
     """This rank's place in a DP-attention group: the expert-parallel group (the forward's
     collectives, on the stream) and a CPU group for the per-step exchange (from the loop)."""
@@ -74,11 +98,7 @@ class DpGroup:
                                 timeout=timeout)
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         self.forward = threading.local()
-        self.sync_seconds = 0.0
-        self.exchanges = 0
-        self.steps = 0                # steps the group ran (this rank's real or idle forwards)
-        self.idle_steps = 0
-        self.padding_tokens = 0
+        self.counters = DpCounters()
         log.info("rank %d joined a DP-attention group of %d (%s)", rank, size, backend)
 
     def close(self) -> None:
@@ -94,12 +114,12 @@ class DpGroup:
         mine = torch.tensor([int(has_batch), int(stopping), *encode_for_group(graph, has_batch)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.size)]
         self.collective(dist.all_gather, everyone, mine, group=self.cpu_group)
-        self.sync_seconds += time.perf_counter() - start
+        self.counters.sync_seconds += time.perf_counter() - start
         table = torch.stack(everyone)
         plan = StepPlan(run=bool(table[:, 0].any()), stop=bool(table[:, 1].any()),
                         graph=agreed_graph(table[:, 2:].tolist()))
-        self.exchanges += 1
-        self.steps += plan.run
+        self.counters.exchanges += 1
+        self.counters.steps += plan.run
         return plan
 
     def collective(self, op, *args, **kwargs):
@@ -136,7 +156,7 @@ class DpGroup:
             mine = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)
             self.collective(dist.all_gather, counts, mine)
             self.forward.counts = torch.cat(counts).tolist()
-        self.padding_tokens += max(self.forward.counts) - num_tokens
+        self.counters.padding_tokens += max(self.forward.counts) - num_tokens
         try:
             yield
         finally:

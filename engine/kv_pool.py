@@ -12,6 +12,7 @@ reads count as free: `grow` takes them back when the free list runs short.
 from __future__ import annotations
 
 from engine.radix_cache import RadixCache
+from engine.stats import Stat, gauge
 
 
 class KVPool:
@@ -40,6 +41,14 @@ class KVPool:
         """Slots that running requests hold (their own pages and the cached ones they read)."""
         unread = self.cache.evictable if self.cache else 0
         return (self.num_pages - len(self.free_pages) - unread) * self.page_size
+
+    def stats(self) -> list[Stat]:
+        """Used + free + the prefix cache's idle tokens = total."""
+        return [gauge("tandem_kv_slots_used", "KV cache slots in use.", self.used_slots),
+                gauge("tandem_kv_slots_total", "KV cache slots in all.", self.total_slots),
+                gauge("tandem_kv_slots_free", "KV cache slots on the free list.",
+                      len(self.free_pages) * self.page_size),
+                *(self.cache or RadixCache(self.page_size)).table()]
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

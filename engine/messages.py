@@ -118,42 +118,36 @@ class PrefillReserved(msgspec.Struct, tag=True):
     rid: str
 
 
-class GateEstimate(msgspec.Struct):
-    """What speculation's adaptive gate expects at one bucket of batch sizes (spec/gate.py)."""
-    batch_size: str                 # the bucket: "1", "2-3", ..., "32+"
-    spec_tokens_per_s: float        # decode tokens/s of a request while speculating (0: not measured yet)
-    plain_tokens_per_s: float       # ... while decoding plainly
-    speculating: bool               # the mode the bucket chose
+class Sample(msgspec.Struct, frozen=True, array_like=True):
+    """One value of a metric: for a histogram, its bucket's count (not cumulative) under the bucket's upper bound."""
+    labels: tuple[str, ...]         # () for a metric without labels
+    value: float
+
+
+class Stat(msgspec.Struct, frozen=True):
+    """One metric of a rank, as the component that keeps it describes it (engine/stats.py makes them)."""
+    name: str                       # as /metrics serves it (Prometheus adds "_total" to a counter's)
+    kind: str                       # "counter", "gauge" or "histogram"
+    help: str
+    combine: str                    # over ranks: "sum", "mean" or "mean_measured" (engine/stats.py)
+    samples: list[Sample]
+    label_names: tuple[str, ...] = ()       # a histogram's: ("le",)
+    observed_sum: float = 0.0       # a histogram's sum of observations
+
+    @property
+    def total(self) -> float:
+        """The sum of its samples: its value without labels; a histogram's count of observations."""
+        return sum(sample.value for sample in self.samples)
 
 
 class RankStats(msgspec.Struct, tag=True):
-    """Periodic gauges from a rank, for /metrics and /health."""
+    """Periodic statistics of a rank, for /metrics and tests: the tables of its components, one after another."""
     rank: int
-    running: int
-    waiting: int
-    kv_used: int
-    kv_total: int
-    steps: int
-    hidden_cpu_fraction: float     # share of CPU scheduling time that overlapped device execution
-    retractions: int = 0
-    spec_accept_len: float = 0.0          # mean tokens emitted per verify step, since start
-    spec_accept_hist: list[int] = []      # verify steps that emitted i+1 tokens, since start
-    spec_phase_seconds: dict[str, float] = {}   # device seconds in draft / verify / extend, since start
-    spec_steps: int = 0
-    spec_off_steps: int = 0               # decode steps without speculation (under load)
-    spec_gate_steps: int = 0              # decode steps without speculation (the adaptive gate's choice)
-    spec_gate_explorations: int = 0       # launches the gate ran in the mode it did not choose, to measure it
-    spec_gate: list[GateEstimate] = []    # the gate's estimates per batch-size bucket (empty: gate off)
-    failed_steps: int = 0                 # launched steps that raised; their requests got errors
-    resident_memory_bytes: int = 0        # the rank process's RSS
-    dp_idle_steps: int = 0                # DP attention: steps run with no rows to keep in step with the group
-    dp_padding_tokens: int = 0            # DP attention: rows the MoE exchange padded to the group's largest
-    dp_sync_seconds: float = 0.0          # DP attention: time in the per-step exchange
-    dp_exchanges: int = 0                 # DP attention: per-step exchanges (idle polling included)
-    dp_steps: int = 0                     # DP attention: steps run, idle ones included
-    graph_replays: int = 0                # captured steps replayed (target and draft), since start
-    graph_padded_rows: int = 0            # rows those replays padded (no request owned them)
-    graph_idle_replays: int = 0           # DP attention: target graphs replayed with padding only
+    stats: list[Stat]
+
+    def value(self, name: str) -> float:
+        """The total of the metric named `name` (Stat.total); 0 where the rank does not report it."""
+        return sum(stat.total for stat in self.stats if stat.name == name)
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -319,13 +319,6 @@ class ModelRunner:
         runners = self.graphs.runners() if self.graphs else []
         return runners + self.decoding.graph_runners()
 
-    def graph_stats(self) -> dict[str, int]:
-        """Replays, padded rows and (DP attention) idle replays since start, for RankStats."""
-        runners = self.graph_runners()
-        return {"graph_replays": sum(sum(r.replays.values()) for r in runners),
-                "graph_padded_rows": sum(r.padded_rows for r in runners),
-                "graph_idle_replays": self.graphs.idle_replays if self.graphs else 0}
-
     def release_graphs(self) -> None:
         """Release every captured graph (on the stream: nothing in flight may replay them)."""
         for runner in self.graph_runners():

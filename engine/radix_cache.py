@@ -25,6 +25,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from engine.stats import MEAN_MEASURED, Stat, counter, gauge
+
 
 @dataclass(eq=False)
 class Node:
@@ -129,6 +131,22 @@ class RadixCache:
             node = stack.pop()
             stack.extend(node.children.values())
             yield node
+
+    def table(self) -> list[Stat]:
+        """Its metrics (engine/stats.py); a rank without a cache reports an empty one's."""
+        stats, ps = self.stats, self.page_size
+        rate = stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+        return [counter("tandem_prefix_cache_prompt_tokens", "Prompt tokens of requests admitted (recomputes "
+                        "included).", stats.prompt_tokens),
+                counter("tandem_prefix_cache_hit_tokens", "Of those, tokens read from the prefix cache.",
+                        stats.hit_tokens),
+                gauge("tandem_prefix_cache_hit_rate", "Share of prompt tokens read from the prefix cache since start "
+                      "(mean over the ranks that admitted any).", rate, MEAN_MEASURED),
+                gauge("tandem_prefix_cache_tokens", "Tokens the prefix cache holds.", self.pages * ps),
+                gauge("tandem_prefix_cache_idle_tokens", "Of those, tokens no running request reads (free to evict).",
+                      self.evictable * ps),
+                counter("tandem_prefix_cache_evicted_tokens", "Tokens evicted from the prefix cache.",
+                        stats.evicted_pages * ps)]
 
     def flush(self) -> list[int]:
         """Drop every page (only when no request holds any: the caller checks); returns them."""

@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
+from typing import Callable
 
 from devices.base import Device
 from engine.args import ServerArgs
 from engine.core import EngineCore, Finished
+from engine.decoding import speculation_stats
 from engine.kv_pool import KVPool
-from engine.dp import DpGroup
+from engine.dp import DpCounters, DpGroup
 from engine.disagg import PrefillExporter, RemoteKv, prefill_params
 from engine.graph_capture import capture_graphs
-from engine.messages import (AbortRequest, AddRequest, CacheFlushed, FlushCache, GateEstimate, KvLayer, PrefillDone,
-                             RankStats, RequestFailed, RequestRejected, Shutdown, TokenDelta)
+from engine.messages import (AbortRequest, AddRequest, CacheFlushed, FlushCache, KvLayer, PrefillDone, RankStats,
+                             RequestFailed, RequestRejected, Shutdown, Stat, TokenDelta)
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stats import graph_stats, process_stats
 from engine.trace import Tracer
 from engine.framing import Connection
 
@@ -86,8 +88,8 @@ class Rank:
         self.wake = asyncio.Event()
         self.stopping = False
         self.generated = 0
-        self.accept_hist = [0] * self.runner.spec_tokens      # emitted 1 .. k+1 tokens
-        self.phase_seconds: dict[str, float] = {}
+        self.spec_stats = speculation_stats(self.runner.spec_tokens)
+        self.stat_tables = component_tables(self.core, self.spec_stats, dp)
         self.last_log = time.perf_counter()
         self.last_stats = 0.0                 # the first loop iteration reports: /metrics has the KV size at once
 
@@ -119,13 +121,10 @@ class Rank:
         self.generated += sum(len(run) for run in done.output.tokens)
         if not done.batch.is_spec_decode:
             return
-        if done.batch.chain:                  # plain steps are counted apart (spec_off_steps, spec_gate_steps)
-            for lengths in done.output.rounds or [[len(run)] for run in done.output.tokens]:
-                for length in lengths:
-                    self.accept_hist[length - 1] += 1
+        self.spec_stats.count(done.batch, done.output)
         t = done.launched.started
         for phase, seconds in self.runner.phase_times(done.result):
-            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+            self.spec_stats.add_phase(phase, seconds)
             self.tracer.span("device", phase, t, t + seconds)
             t += seconds
 
@@ -232,51 +231,20 @@ class Rank:
                      self.rank, self.generated / (now - self.last_log), len(self.scheduler.running),
                      len(self.scheduler.waiting), self.pool.used_slots, self.pool.total_slots,
                      100 * self.core.meter.hidden_fraction,
-                     self.spec_log_text())
+                     self.spec_stats.log_text(self.scheduler.policy))
             self.generated, self.last_log = 0, now
         self.last_stats = now
 
-    def spec_log_text(self) -> str:
-        if not self.runner.spec_tokens:
-            return ""
-        policy = self.scheduler.policy
-        text = f", accept length {self.accept_length():.2f}"
-        text += f", speculation off for {policy.off_steps} steps (load)" if policy.off_steps else ""
-        return text + (f", plain for {policy.gate_steps} steps (gate)" if policy.gate_steps else "")
-
-    def accept_length(self) -> float:
-        steps = sum(self.accept_hist)
-        return sum((i + 1) * c for i, c in enumerate(self.accept_hist)) / steps if steps else 0.0
-
     def stats(self) -> RankStats:
-        return RankStats(rank=self.rank, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                         kv_used=self.pool.used_slots, kv_total=self.pool.total_slots, steps=self.scheduler.step,
-                         hidden_cpu_fraction=self.core.meter.hidden_fraction, retractions=self.scheduler.retractions,
-                         spec_accept_len=self.accept_length(), spec_accept_hist=list(self.accept_hist),
-                         spec_phase_seconds=dict(self.phase_seconds), spec_steps=sum(self.accept_hist),
-                         spec_off_steps=self.scheduler.policy.off_steps, failed_steps=self.core.failed_steps,
-                         resident_memory_bytes=resident_memory_bytes(), **self.dp_stats(), **self.gate_stats(),
-                         **self.runner.graph_stats())
-
-    def gate_stats(self) -> dict:
-        policy = self.scheduler.policy
-        if policy.gate is None:
-            return {}
-        return {"spec_gate_steps": policy.gate_steps, "spec_gate_explorations": policy.gate.explorations,
-                "spec_gate": [GateEstimate(e.label, e.spec_tokens_per_s, e.plain_tokens_per_s, e.speculating)
-                              for e in policy.gate.estimates()]}
-
-    def dp_stats(self) -> dict:
-        if self.dp is None:
-            return {}
-        return {"dp_idle_steps": self.dp.idle_steps, "dp_padding_tokens": self.dp.padding_tokens,
-                "dp_sync_seconds": self.dp.sync_seconds, "dp_exchanges": self.dp.exchanges, "dp_steps": self.dp.steps}
+        return RankStats(self.rank, [stat for table in self.stat_tables for stat in table()])
 
 
-def resident_memory_bytes() -> int:
-    """This process's RSS, from /proc (0 where there is none)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+def component_tables(core: EngineCore, spec, dp: DpGroup | None) -> list[Callable[[], list[Stat]]]:
+    """Each component's table of its metrics (engine/stats.py), in the order the rank reports them: a new
+    component with counters adds its table here, and /metrics serves it as it is. `spec`: speculation's
+    statistics (engine/decoding.py: speculation_stats)."""
+    scheduler, runner = core.scheduler, core.runner
+    dp_counters = dp.counters if dp else DpCounters()
+    idle_replays = (lambda: runner.graphs.idle_replays) if runner.graphs else (lambda: 0)
+    return [scheduler.stats, scheduler.pool.stats, core.meter.stats, core.stats, lambda: spec.stats(scheduler.policy),
+            dp_counters.stats, lambda: graph_stats(runner.graph_runners(), idle_replays()), process_stats]

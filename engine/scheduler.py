@@ -21,6 +21,7 @@ from engine.kv_pool import KVPool
 from engine.messages import SamplingParams
 from engine.policy import DecodePolicy, PlainDecoding
 from engine.request import Request, Status
+from engine.stats import Stat, gauge
 
 __all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig", "SeqWork", "StepOutput"]
 
@@ -147,6 +148,13 @@ class Scheduler:
         if not req.finished:
             req.finish_reason, req.error = "error", message
             self.finish(req)
+
+    def stats(self) -> list[Stat]:
+        # steps and retractions have always been served as gauges: their type stays what dashboards know
+        return [gauge("tandem_num_running_reqs", "Requests decoding now.", len(self.running)),
+                gauge("tandem_num_waiting_reqs", "Requests waiting for admission.", len(self.waiting)),
+                gauge("tandem_steps_total", "Scheduler steps run so far.", self.step),
+                gauge("tandem_retractions_total", "Requests retracted for lack of KV space so far.", self.retractions)]
 
     @property
     def has_work(self) -> bool:

@@ -8,6 +8,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from engine.stats import MEAN, Stat, gauge
+
 TRACKS = {"schedule": 1, "launch": 2, "device": 3, "process": 4, "transfer": 5}
 
 
@@ -84,3 +86,7 @@ class OverlapMeter:
     @property
     def hidden_fraction(self) -> float:
         return self.hidden_total / self.cpu_total if self.cpu_total > 0 else 0.0
+
+    def stats(self) -> list[Stat]:
+        return [gauge("tandem_hidden_cpu_fraction", "Share of CPU scheduling time hidden behind device work (mean "
+                      "over ranks).", self.hidden_fraction, MEAN)]

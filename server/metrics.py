@@ -8,7 +8,7 @@ generation request:
   error     the engine died or failed mid-way, or the server hit a bug
 Token counters and latency histograms are per engine request (one per choice):
 prompt tokens are counted when the first output arrives, generated tokens as they arrive.
-Rank gauges are read from `engine.rank_stats()` at scrape time.
+The ranks' statistics are read from `engine.rank_stats()` at scrape time.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.messages import RankStats, Stat
+from engine.stats import COUNTER, GAUGE, HISTOGRAM, MEAN, MEAN_MEASURED, SUM
 from server.engine_client import EngineClient
 
 OUTCOMES = ("ok", "error", "abort", "rejected")
@@ -26,64 +28,21 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 
 
 class RankStatsCollector(Collector):
-    """Engine gauges, summed over ranks (CPU fraction and accept length: mean over ranks)."""
+    """The ranks' statistics: each metric of their components' tables, combined over the ranks as its
+    entry says (engine/stats.py). It names none of them: a component's new table needs no edit here."""
 
     def __init__(self, engine: EngineClient):
         self.engine = engine
 
     def collect(self):
-        stats = list(self.engine.rank_stats())
-        def total(field: str) -> float:
-            return float(sum(getattr(s, field) for s in stats))
-
-        def mean(field: str) -> float:
-            return total(field) / len(stats) if stats else 0.0
-        gauges = [
-            ("tandem_num_running_reqs", "Requests decoding now.", total("running")),
-            ("tandem_num_waiting_reqs", "Requests waiting for admission.", total("waiting")),
-            ("tandem_kv_slots_used", "KV cache slots in use.", total("kv_used")),
-            ("tandem_kv_slots_total", "KV cache slots in all.", total("kv_total")),
-            ("tandem_steps_total", "Scheduler steps run so far.", total("steps")),
-            ("tandem_hidden_cpu_fraction", "Share of CPU scheduling time hidden behind device work (mean over ranks).",
-             mean("hidden_cpu_fraction")),
-            ("tandem_retractions_total", "Requests retracted for lack of KV space so far.", total("retractions")),
-            ("tandem_spec_accept_length", "Mean accepted tokens per speculative verify step (mean over ranks).",
-             mean("spec_accept_len")),
-        ]
         yield GaugeMetricFamily("tandem_ranks_up", "Rank processes running and connected.",
                                 value=self.engine.ranks_up())
         yield CounterMetricFamily("tandem_rank_restarts", "Rank processes restarted after they died.",
                                   value=self.engine.restarts)
-        yield CounterMetricFamily("tandem_failed_steps", "Launched steps that failed; only their requests got "
-                                  "errors (since the ranks started).", value=total("failed_steps"))
-        yield GaugeMetricFamily("tandem_rank_resident_memory_bytes", "Resident memory of the rank processes.",
-                                value=total("resident_memory_bytes"))
-        yield CounterMetricFamily("tandem_dp_idle_steps", "DP attention: steps ranks ran with no rows, to keep "
-                                  "in step with their group.", value=total("dp_idle_steps"))
-        yield CounterMetricFamily("tandem_dp_padding_tokens", "DP attention: rows the MoE exchange padded to the "
-                                  "group's largest.", value=total("dp_padding_tokens"))
-        yield CounterMetricFamily("tandem_dp_sync_seconds", "DP attention: seconds ranks spent in the per-step "
-                                  "exchange (summed over ranks).", value=total("dp_sync_seconds"))
-        yield CounterMetricFamily("tandem_dp_exchanges", "DP attention: per-step exchanges, idle polling included "
-                                  "(summed over ranks).", value=total("dp_exchanges"))
-        yield CounterMetricFamily("tandem_dp_steps", "DP attention: steps run, idle ones included (summed over ranks).",
-                                  value=total("dp_steps"))
-        yield CounterMetricFamily("tandem_graph_replays", "Captured steps (target and draft) replayed.",
-                                  value=total("graph_replays"))
-        yield CounterMetricFamily("tandem_graph_padded_rows", "Rows of graph replays that no request owned (batches "
-                                  "padded to a captured size).", value=total("graph_padded_rows"))
-        yield CounterMetricFamily("tandem_spec_off_steps", "Decode steps that ran without speculation because as many "
-                                  "requests decoded as --speculative-disable-by-batch-size.",
-                                  value=total("spec_off_steps"))
-        yield CounterMetricFamily("tandem_spec_gate_plain_steps", "Decode steps that ran without speculation because "
-                                  "the adaptive gate expected it to lose at their batch size (--speculative-adaptive).",
-                                  value=total("spec_gate_steps"))
-        yield CounterMetricFamily("tandem_spec_gate_explorations", "Decode launches the adaptive gate ran in the mode "
-                                  "it did not choose, to keep measuring it.", value=total("spec_gate_explorations"))
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        yield from spec_metrics(stats)
-        yield from gate_metrics(stats)
+        for entries in by_name(self.engine.rank_stats()).values():
+            family = metric_family(entries)
+            if family is not None:
+                yield family
 
 
 class PdCollector(Collector):
@@ -115,46 +74,58 @@ class PdCollector(Collector):
                                   value=stats.transfer_seconds)
 
 
-def spec_metrics(stats):
-    """Accept-length histogram and draft/verify/extend device time, summed over ranks."""
-    width = max((len(s.spec_accept_hist) for s in stats), default=0)
-    counts = [sum(s.spec_accept_hist[i] for s in stats if i < len(s.spec_accept_hist)) for i in range(width)]
-    buckets, running = [], 0
-    for i, count in enumerate(counts):
-        running += count
-        buckets.append((str(float(i + 1)), running))
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def mean_measured(values: list[float]) -> float:
+    """0 means not measured yet."""
+    return mean([value for value in values if value > 0] or [0.0])
+
+
+FAMILIES = {COUNTER: CounterMetricFamily, GAUGE: GaugeMetricFamily}
+COMBINE = {SUM: sum, MEAN: mean, MEAN_MEASURED: mean_measured}
+
+
+def by_name(ranks: list[RankStats]) -> dict[str, list[Stat]]:
+    """Every rank's entry of each metric, in the order the ranks report them."""
+    entries: dict[str, list[Stat]] = {}
+    for rank in ranks:
+        for stat in rank.stats:
+            entries.setdefault(stat.name, []).append(stat)
+    return entries
+
+
+def by_labels(entries: list[Stat]) -> dict[tuple[str, ...], list[float]]:
+    """Each sample's values over the ranks that report it."""
+    values: dict[tuple[str, ...], list[float]] = {}
+    for stat in entries:
+        for sample in stat.samples:
+            values.setdefault(sample.labels, []).append(sample.value)
+    return values
+
+
+def metric_family(entries: list[Stat]):
+    """One metric over the ranks, described by the first rank's entry (None: labelled, and no rank has a sample)."""
+    first, values = entries[0], by_labels(entries)
+    if first.kind == HISTOGRAM:
+        return histogram_family(first, values, sum(stat.observed_sum for stat in entries))
+    if first.label_names and not values:
+        return None
+    family = FAMILIES[first.kind](first.name, first.help, labels=list(first.label_names))
+    for labels, per_rank in values.items():
+        family.add_metric(list(labels), COMBINE[first.combine](per_rank))
+    return family
+
+
+def histogram_family(first: Stat, counts: dict[tuple[str, ...], list[float]], observed_sum: float):
+    """Counts per bucket, summed over the ranks and added up into cumulative buckets."""
+    buckets, running = [], 0.0
+    for (bound,), per_rank in sorted(counts.items(), key=lambda item: float(item[0][0])):
+        running += sum(per_rank)
+        buckets.append((bound, running))
     buckets.append(("+Inf", running))
-    total = float(sum((i + 1) * c for i, c in enumerate(counts)))
-    yield HistogramMetricFamily("tandem_spec_accept_length_per_step", "Tokens emitted per speculative verify step.",
-                                buckets=buckets, sum_value=total)
-    phases = CounterMetricFamily("tandem_spec_phase_seconds", "Device seconds spent per speculative phase.",
-                                 labels=["phase"])
-    for phase in ("draft", "verify", "extend"):
-        phases.add_metric([phase], sum(s.spec_phase_seconds.get(phase, 0.0) for s in stats))
-    yield phases
-
-
-def gate_metrics(stats):
-    """The adaptive gate's estimates per batch-size bucket: a request's expected decode tokens/s
-    speculating and plain (mean over the ranks that measured it), and the share of ranks whose
-    bucket speculates. Nothing when the gate is off."""
-    by_bucket: dict[str, list] = {}
-    for s in stats:
-        for estimate in s.spec_gate:
-            by_bucket.setdefault(estimate.batch_size, []).append(estimate)
-    rates = GaugeMetricFamily("tandem_spec_gate_tokens_per_second", "Expected decode tokens/s of a request, by batch "
-                              "size and mode, from the device time and accepted tokens measured so far.",
-                              labels=["batch_size", "mode"])
-    speculating = GaugeMetricFamily("tandem_spec_gate_speculating", "1 where the adaptive gate speculates at this "
-                                    "batch size, 0 where it decodes plainly (share of ranks).", labels=["batch_size"])
-    for bucket, estimates in by_bucket.items():
-        for mode, field in (("speculative", "spec_tokens_per_s"), ("plain", "plain_tokens_per_s")):
-            measured = [getattr(e, field) for e in estimates if getattr(e, field) > 0]
-            rates.add_metric([bucket, mode], sum(measured) / len(measured) if measured else 0.0)
-        speculating.add_metric([bucket], sum(e.speculating for e in estimates) / len(estimates))
-    if by_bucket:
-        yield rates
-        yield speculating
+    return HistogramMetricFamily(first.name, first.help, buckets=buckets, sum_value=observed_sum)
 
 
 class Metrics:

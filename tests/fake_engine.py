@@ -8,10 +8,15 @@ and can be switched to reject requests, fail mid-way, or be dead.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from functools import lru_cache
 from pathlib import Path
 
+from engine.kv_pool import KVPool
 from engine.messages import RankStats, SamplingParams, TokenDelta
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.trace import OverlapMeter
+from spec.stats import SpecStats
 from server.detokenizer import byte_level_decoder
 from server.engine_client import EngineClient, EngineDead, EngineRejected
 
@@ -22,6 +27,21 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 CORPUS = ["The quick brown fox jumps over the lazy dog. Hello world, hello there! ",
           "Once upon a time there was a small server that answered every request quickly. ",
           "Numbers 0123456789 and punctuation: ,.;:!?()[]{}<>-_=+*/\\'\" are common too. "]
+
+
+def rank_stats(rank: int, running: int, waiting: int, kv_used: int, steps: int, hidden_cpu_fraction: float,
+               retractions: int, accept_length: int, off_steps: int) -> RankStats:
+    """What a rank in that state reports: the tables of real components (a scheduler with 1000 KV slots,
+    its overlap meter, speculation whose every verify step emitted `accept_length` tokens)."""
+    scheduler = Scheduler(SchedulerConfig(8, 8, 64, 64, 64, 18), KVPool(1000, 1, 8), frozenset())
+    scheduler.running, scheduler.waiting = [None] * running, deque([None] * waiting)
+    scheduler.step, scheduler.retractions, scheduler.policy.off_steps = steps, retractions, off_steps
+    scheduler.pool.grow([], kv_used)
+    meter = OverlapMeter()
+    meter.cpu_total, meter.hidden_total = 1.0, hidden_cpu_fraction
+    spec = SpecStats(accept_length)
+    spec.accept_hist[-1] = 10
+    return RankStats(rank, scheduler.stats() + scheduler.pool.stats() + meter.stats() + spec.stats(scheduler.policy))
 
 
 @lru_cache(maxsize=1)
@@ -68,10 +88,10 @@ class FakeEngine(EngineClient):
         self.aborts: list[tuple[str, str]] = []     # (rid, reason), one per aborted request
         self.active: set[str] = set()
         self._aborted: set[str] = set()
-        self.stats = [RankStats(rank=0, running=2, waiting=1, kv_used=100, kv_total=1000, steps=50,
-                                hidden_cpu_fraction=0.8, retractions=1, spec_accept_len=2.0, spec_off_steps=4),
-                      RankStats(rank=1, running=3, waiting=0, kv_used=50, kv_total=1000, steps=70,
-                                hidden_cpu_fraction=0.6, retractions=0, spec_accept_len=3.0, spec_off_steps=3)]
+        self.stats = [rank_stats(0, running=2, waiting=1, kv_used=100, steps=50, hidden_cpu_fraction=0.8,
+                                 retractions=1, accept_length=2, off_steps=4),
+                      rank_stats(1, running=3, waiting=0, kv_used=50, steps=70, hidden_cpu_fraction=0.6,
+                                 retractions=0, accept_length=3, off_steps=3)]
 
     def script_text(self, tokenizer, text: str, eos: bool = True) -> None:
         self.script = tokenizer.encode(text, add_special_tokens=False) + ([self.eos_id] if eos else [])

@@ -68,11 +68,13 @@ async def wait_idle(client, failed_steps: int) -> None:
     """Every slot back, nothing running, and the failure counted (a report from after it)."""
     for _ in range(100):
         stats = client.rank_stats()
-        if stats and stats[0].failed_steps >= failed_steps and stats[0].kv_used == 0 and stats[0].running == 0:
+        if (stats and stats[0].value("tandem_failed_steps") >= failed_steps
+                and stats[0].value("tandem_kv_slots_used") == 0 and stats[0].value("tandem_num_running_reqs") == 0):
             break
         await asyncio.sleep(0.1)
-    assert stats[0].failed_steps == failed_steps
-    assert stats[0].kv_used == 0 and stats[0].running == 0 and stats[0].waiting == 0
+    assert stats[0].value("tandem_failed_steps") == failed_steps
+    assert all(stats[0].value(name) == 0 for name in ("tandem_kv_slots_used", "tandem_num_running_reqs",
+                                                      "tandem_num_waiting_reqs"))
 
 
 async def poison_while_others_decode(client, prompts):

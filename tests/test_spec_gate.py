@@ -22,11 +22,12 @@ import pytest
 
 from engine.batch import StepOutput
 from engine.kv_pool import KVPool
-from engine.messages import GateEstimate, RankStats, SamplingParams
+from engine.messages import RankStats, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from spec.gate import (EXPLORE_COST, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN, LEAVE, RETURN, WARM, WINDOW, SpecGate,
-                       bucket_label, bucket_of)
+from spec.gate import (EXPLORE_COST, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN, LEAVE, RETURN, WARM, WINDOW, Estimate,
+                       SpecGate, bucket_label, bucket_of)
 from spec.policy import SpeculativeDecoding
+from spec.stats import SpecStats
 from tests.test_scheduler import drive, expected
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
@@ -667,12 +668,27 @@ def metric_lines(engine) -> dict[str, float]:
             if line.startswith("tandem_spec_gate")}
 
 
+class GateSaid:
+    """A gate that has explored `explorations` times and estimates `estimates`."""
+
+    def __init__(self, explorations: int, estimates: list[Estimate]):
+        self.explorations, self.said = explorations, estimates
+
+    def estimates(self) -> list[Estimate]:
+        return self.said
+
+
+def speculating_rank(rank: int, gate_steps: int, gate) -> RankStats:
+    """The speculation table of a rank whose policy ran `gate_steps` plain steps by its gate's choice."""
+    policy = SpeculativeDecoding(3, gate=gate)
+    policy.gate_steps = gate_steps
+    return RankStats(rank, SpecStats(3).stats(policy))
+
+
 def test_metrics_show_the_gates_counters_and_estimates():
-    def rank(i, steps, estimates):
-        return RankStats(rank=i, running=1, waiting=0, kv_used=0, kv_total=100, steps=10, hidden_cpu_fraction=0.5,
-                         spec_gate_steps=steps, spec_gate_explorations=i + 1, spec_gate=estimates)
-    stats = [rank(0, 12, [GateEstimate("1", 800.0, 1000.0, False), GateEstimate("2-3", 900.0, 0.0, True)]),
-             rank(1, 30, [GateEstimate("1", 700.0, 1100.0, False)])]
+    stats = [speculating_rank(0, 12, GateSaid(1, [Estimate("1", 800.0, 1000.0, False),
+                                                   Estimate("2-3", 900.0, 0.0, True)])),
+             speculating_rank(1, 30, GateSaid(2, [Estimate("1", 700.0, 1100.0, False)]))]
     m = metric_lines(StatsOnly(stats))
     assert m["tandem_spec_gate_plain_steps_total"] == 42 and m["tandem_spec_gate_explorations_total"] == 3
     assert m['tandem_spec_gate_tokens_per_second{batch_size="1",mode="speculative"}'] == 750
@@ -680,8 +696,7 @@ def test_metrics_show_the_gates_counters_and_estimates():
     assert m['tandem_spec_gate_tokens_per_second{batch_size="2-3",mode="plain"}'] == 0       # not measured yet
     assert m['tandem_spec_gate_speculating{batch_size="1"}'] == 0
     assert m['tandem_spec_gate_speculating{batch_size="2-3"}'] == 1
-    off = metric_lines(StatsOnly([RankStats(rank=0, running=1, waiting=0, kv_used=0, kv_total=100, steps=10,
-                                            hidden_cpu_fraction=0.5)]))         # gate off: no estimates
+    off = metric_lines(StatsOnly([speculating_rank(0, 0, None)]))         # gate off: no estimates
     assert off == {"tandem_spec_gate_plain_steps_total": 0, "tandem_spec_gate_explorations_total": 0}
 
 
