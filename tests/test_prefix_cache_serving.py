@@ -23,7 +23,23 @@ def server(tmp_path_factory):
 
 
 async def complete(client: AsyncOpenAI, prompt: str):
-    return await client.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0)
+    return await client.completions.create(model="tandem-dense", prompt=prompt, max_tokens=12, temperature=0)
+
+
+async def settled_metrics(http: aiohttp.ClientSession, url: str, seconds: float = 10.0) -> str:
+    """/metrics once the rank reports no request running and the same free and cached slots twice (a rank
+    reports every half second: a scrape right after a request may show the report before it)."""
+    last, seen = None, []
+    for _ in range(int(seconds / 0.6)):
+        async with http.get(url + "/metrics") as response:
+            text = await response.text()
+        pages = (metric(text, "tandem_kv_slots_free"), metric(text, "tandem_prefix_cache_tokens"))
+        seen.append(pages)
+        if pages == last and metric(text, "tandem_num_running_reqs") == 0:
+            return text
+        last = pages
+        await asyncio.sleep(0.6)
+    raise AssertionError(f"the rank's statistics did not settle: {seen}")
 
 
 async def test_a_prompt_sent_again_is_read_from_the_cache_until_it_is_flushed(server):
@@ -41,17 +57,17 @@ async def test_a_prompt_sent_again_is_read_from_the_cache_until_it_is_flushed(se
             meta = (await response.json())["meta_info"]
         assert meta["cached_tokens"] >= first.usage.prompt_tokens - 1
 
-        long = asyncio.create_task(client.completions.create(model="default", prompt="import os\n", max_tokens=400,
-                                                             temperature=0, extra_body={"ignore_eos": True}))
-        await asyncio.sleep(0.5)
-        async with http.post(server.url + "/flush_cache") as response:
-            body = await response.json()
-            assert response.status == 400 and "requests are running" in body["error"]["message"]
-        await long
-        async with http.get(server.url + "/metrics") as response:
-            text = await response.text()
+        stream = await client.completions.create(model="tandem-dense", prompt="import os\n", max_tokens=1000,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        async for _ in stream:                       # running now: its first token is out
+            async with http.post(server.url + "/flush_cache") as response:
+                body = await response.json()
+                assert response.status == 400 and "requests are running" in body["error"]["message"]
+            break
+        await stream.close()                         # the client goes away: the request is aborted
+        text = await settled_metrics(http, server.url)
         cached = metric(text, "tandem_prefix_cache_tokens")
-        assert cached > 0
+        assert cached > 0 and metric(text, "tandem_prefix_cache_idle_tokens") == cached
         assert metric(text, "tandem_kv_slots_used") + metric(text, "tandem_kv_slots_free") + cached == \
             metric(text, "tandem_kv_slots_total")
         assert metric(text, "tandem_prefix_cache_hit_tokens_total") >= first.usage.prompt_tokens - 1
