@@ -100,7 +100,7 @@ def test_a_device_backend_exchanges_device_tensors_and_agrees_on_the_cpu(world, 
     assert torch.equal(mine, torch.arange(6, dtype=torch.float32).view(3, 2) + 1)
     assert fake.calls == [("all_gather", "cpu"), ("all_gather", "default"), ("all_gather", "default"),
                           ("all_reduce", "default")]
-    assert group.padding_tokens == OTHER_COUNT - 3
+    assert group.counters.padding_tokens == OTHER_COUNT - 3
 
 
 def test_gloo_exchanges_host_tensors(world):
