@@ -14,6 +14,8 @@ from __future__ import annotations
 from engine.radix_cache import RadixCache
 from engine.stats import Stat, gauge
 
+EVICT_AT_LEAST = 32      # pages the cache gives back when the free list runs short (fewer if it has fewer)
+
 
 class KVPool:
     def __init__(self, num_slots: int, page_size: int, num_rows: int, cache: bool = False):
@@ -61,8 +63,8 @@ class KVPool:
         need = self.pages_for(new_len) - len(pages)
         if need > self.free_count:
             return False
-        if need > len(self.free_pages):
-            self.free_pages.extend(self.cache.evict(need - len(self.free_pages)))
+        if need > len(self.free_pages):          # a batch at a time: each eviction walks the whole tree
+            self.free_pages.extend(self.cache.evict(max(need - len(self.free_pages), EVICT_AT_LEAST)))
         for _ in range(max(need, 0)):
             pages.append(self.free_pages.pop())
         return True

@@ -229,7 +229,8 @@ class ModelRunner:
     def sampling_on_device(self, inp: StepInputs) -> StepInputs:
         """On the stream: the step's sampling parameters where its logits are (the draft's and the
         verify's sampling read them too)."""
-        return dataclasses.replace(inp, sampling=to_device(inp.sampling, self.device.torch_device))
+        sampling = to_device(inp.sampling, self.device.torch_device)
+        return inp if sampling is inp.sampling else dataclasses.replace(inp, sampling=sampling)
 
     def decode_steps(self, inp: StepInputs) -> StepResult:
         """inp.steps plain decode steps of a batch of decodes (one token each) back to back: each
