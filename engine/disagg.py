@@ -179,6 +179,8 @@ class RemoteKv:
             return self.fail(req, f"bad draft state from the prefill node: {exc}")
         if msg.kv_len != len(req.input_ids):
             return self.fail(req, f"the prefill node sent {msg.kv_len} positions for {len(req.input_ids)}")
+        if req.grammar is not None and not req.grammar.accept(msg.first_token):
+            return self.fail(req, f"the prefill node's first token {msg.first_token} does not match the grammar")
         pool, runner = self.core.scheduler.pool, self.core.runner
         slots = pool.slots(req.pages, 0, len(req.pages) * pool.page_size)
         token_ids = req.input_ids + [msg.first_token]

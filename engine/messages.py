@@ -14,6 +14,15 @@ from engine.wire_tensor import WireTensor
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """What a request's output must match (structured outputs, engine/grammar.py): a JSON schema
+    (`strict`: no properties or items beyond the schema's), any JSON value (json_object), a regex or
+    an EBNF grammar, as source text."""
+    kind: Literal["json_schema", "json_object", "regex", "ebnf"]
+    source: str = ""
+    strict: bool = True
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     max_new_tokens: int = 128
     temperature: float = 1.0        # 0 means greedy
@@ -24,6 +33,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None     # None: none; 0: the chosen token's; k>0: also the top k
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:

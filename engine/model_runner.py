@@ -23,6 +23,7 @@ from engine.batch import ScheduledBatch
 from engine.decoding import Decoding, create_decoding
 from engine.faults import FaultInjector
 from engine.future_map import FutureMap
+from engine.grammar_masks import leave_pending, mask_rows
 from engine.graph_shape import GraphShape
 from engine.models.attention import KVCache, attention_groups, build_attention_batch, padded_width
 from engine.dp import DpGroup
@@ -143,7 +144,8 @@ class ModelRunner:
             input_ids=long(batch.input_ids), q_lens=long(q_lens), kv_lens=long(kv_lens),
             rows=long([seq.row for seq in batch.seqs]), sample_rows=long(sample_rows), future_ids=long(future_ids),
             max_q=batch.max_q, max_kv=batch.max_kv,
-            sampling=SamplingBatch.build(batch.sample_params, noise_keys, self.vocab_size, torch.device("cpu")),
+            sampling=SamplingBatch.build(batch.sample_params, noise_keys, self.vocab_size, torch.device("cpu"),
+                                         [seq.req.grammar for seq in batch.sampling]),
             spec=self.decoding.plan_inputs(batch), steps=batch.steps,
             groups=attention_groups(q_lens, kv_lens, "cpu") if not batch.is_spec_decode else None)
 
@@ -250,7 +252,9 @@ class ModelRunner:
             if reads:
                 fed.append(input_ids)
                 outs.append(out)
+            mask_rows(step_logits, sb.grammars)
             input_ids = sample(step_logits, sb.advanced(step), self.target.generator)
+            leave_pending(input_ids, sb.grammars)
             tokens.append(input_ids)
             logits.append(step_logits)
         self.futures.store(put(inp.future_ids), input_ids)
@@ -263,7 +267,9 @@ class ModelRunner:
     def sample_rows(self, inp: StepInputs, logits: torch.Tensor) -> tuple[StepResult, torch.Tensor]:
         """A token from each sampling sequence's logits, stored in its future: the result and the tokens."""
         sb = to_device(inp.sampling, self.device.torch_device)
+        mask_rows(logits, sb.grammars)
         tokens = sample(logits, sb, self.target.generator)
+        leave_pending(tokens, sb.grammars)
         self.futures.store(self.put(inp.future_ids), tokens)
         return step_result(tokens[:, None], torch.zeros_like(tokens), logits[:, None], sb), tokens
 

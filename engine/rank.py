@@ -22,6 +22,8 @@ from engine.kv_pool import KVPool
 from engine.dp import DpCounters, DpGroup
 from engine.disagg import PrefillExporter, RemoteKv, prefill_params
 from engine.graph_capture import capture_graphs
+from engine.grammar import Grammar, GrammarCompiler
+from engine.grammar_intake import Compiled, GrammarIntake
 from engine.messages import (AbortRequest, AddRequest, CacheFlushed, FlushCache, KvLayer, PrefillDone, RankStats,
                              RequestFailed, RequestRejected, Shutdown, Stat, TokenDelta)
 from engine.model_runner import ModelRunner
@@ -89,7 +91,9 @@ class Rank:
         self.stopping = False
         self.generated = 0
         self.spec_stats = speculation_stats(self.runner.spec_tokens)
-        self.stat_tables = component_tables(self.core, self.spec_stats, dp)
+        compiler = GrammarCompiler(args.tokenizer, self.runner.vocab_size, self.scheduler.eos_ids)
+        self.intake = GrammarIntake(compiler, args.max_queued_requests, self.deliver)
+        self.stat_tables = component_tables(self.core, self.spec_stats, dp) + [self.intake.stats]
         self.last_log = time.perf_counter()
         self.last_stats = 0.0                 # the first loop iteration reports: /metrics has the KV size at once
 
@@ -114,6 +118,7 @@ class Rank:
         finally:
             reader.cancel()
             exporter.cancel()
+            self.intake.close()
             self.tracer.close()
 
     def account(self, done: Finished) -> None:
@@ -170,11 +175,10 @@ class Rank:
         """Apply new requests, aborts and arriving KV before scheduling, in the order they came."""
         messages, self.inbox = self.inbox, []
         for msg in messages:
-            if isinstance(msg, AddRequest):
-                self.add(msg)
+            if isinstance(msg, (AddRequest, Compiled)):
+                self.add(msg) if isinstance(msg, AddRequest) else self.admit_compiled(msg)
             elif isinstance(msg, AbortRequest):
-                req = self.scheduler.abort(msg.rid, "abort" if msg.reason == "abort" else "stop")
-                self.send_news([req] if req else [])
+                self.abort(msg)
             elif isinstance(msg, KvLayer):
                 self.send_news(self.remote.write(msg))
             elif isinstance(msg, PrefillDone):
@@ -184,15 +188,44 @@ class Rank:
             elif isinstance(msg, Shutdown):
                 self.stop()
 
+    def abort(self, msg: AbortRequest) -> None:
+        if not self.intake.abort(msg.rid):          # not compiling its grammar: in the scheduler, or gone
+            req = self.scheduler.abort(msg.rid, "abort" if msg.reason == "abort" else "stop")
+            self.send_news([req] if req else [])
+
     def add(self, msg: AddRequest) -> None:
+        """A new request joins the scheduler; one with a grammar once the grammar is compiled."""
         log.debug("add %s (%d prompt tokens, %s)", msg.rid, len(msg.input_ids), msg.mode)
+        if msg.params.grammar is None:
+            return self.admit(msg, None)
+        try:
+            compiled = self.intake.start(msg)
+        except OverflowError:
+            return self.reject(msg.rid, "overloaded", 503)
+        if compiled is not None:
+            self.admit_compiled(compiled)
+
+    def admit_compiled(self, compiled: Compiled) -> None:
+        if compiled.grammar is None:
+            self.reject(compiled.msg.rid, compiled.error, 400)
+        else:
+            self.admit(compiled.msg, compiled.grammar)
+
+    def admit(self, msg: AddRequest, grammar: Grammar | None) -> None:
         params = prefill_params(msg.params) if msg.mode == "prefill" else msg.params
-        error = self.scheduler.add(msg.rid, msg.input_ids, params, remote=msg.mode == "decode")
+        error = self.scheduler.add(msg.rid, msg.input_ids, params, remote=msg.mode == "decode", grammar=grammar)
         if error:
-            status = 503 if error == "overloaded" else 400
-            self.channel.send_nowait(RequestRejected(msg.rid, error, status))
+            self.reject(msg.rid, error, 503 if error == "overloaded" else 400)
         elif msg.mode == "prefill":
             self.exporter.add(msg.rid)
+
+    def reject(self, rid: str, error: str, status: int) -> None:
+        self.channel.send_nowait(RequestRejected(rid, error, status))
+
+    def deliver(self, compiled: Compiled) -> None:
+        """A grammar compiled (on the loop): its request joins at the next look at the inbox."""
+        self.inbox.append(compiled)
+        self.wake.set()
 
     def send_news(self, requests: list[Request]) -> None:
         for req in requests:

@@ -18,8 +18,12 @@ bookkeeping of the request lives in `decode`, a record the policy made (engine/p
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from engine.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammar
 
 
 class Status(enum.Enum):
@@ -32,11 +36,16 @@ class Status(enum.Enum):
 
 class Request:
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, eos_ids: frozenset[int],
-                 decode: object = None):
+                 decode: object = None, grammar: "Grammar | None" = None):
         self.rid = rid
         self.input_ids = input_ids
         self.params = params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        # structured outputs: the matcher (the stream's, engine/grammar.py); its stop tokens end the
+        # grammar, and the request with it, even with ignore_eos
+        self.grammar = grammar
+        if grammar is not None:
+            self.stop_ids |= grammar.stop_ids
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []

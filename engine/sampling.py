@@ -38,10 +38,11 @@ class SamplingBatch:
     seeds: list[int | None]
     positions: list[int]           # output position of each row, for seeded noise
     max_logprobs: int | None       # None: no row wants logprobs
+    grammars: tuple | None = None  # per row, its request's Grammar or None (engine/grammar_masks.py); None: none
 
     @classmethod
     def build(cls, params: list[SamplingParams], positions: list[int], vocab: int,
-              device: torch.device) -> "SamplingBatch":
+              device: torch.device, grammars: list | None = None) -> "SamplingBatch":
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -58,6 +59,7 @@ class SamplingBatch:
             seeds=[p.seed for p in params],
             positions=positions,
             max_logprobs=max(wanted) if wanted else None,
+            grammars=tuple(grammars) if grammars and any(g is not None for g in grammars) else None,
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.batch import ScheduledBatch, SeqWork, StepOutput
 from engine.kv_pool import KVPool
@@ -22,6 +23,9 @@ from engine.messages import SamplingParams
 from engine.policy import DecodePolicy, PlainDecoding
 from engine.request import Request, Status
 from engine.stats import Stat, gauge
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammar
 
 __all__ = ["ScheduledBatch", "Scheduler", "SchedulerConfig", "SeqWork", "StepOutput"]
 
@@ -54,13 +58,17 @@ class Scheduler:
 
     # ---- intake ------------------------------------------------------------------
 
-    def add(self, rid: str, input_ids: list[int], params: SamplingParams, remote: bool = False) -> str | None:
+    def add(self, rid: str, input_ids: list[int], params: SamplingParams, remote: bool = False,
+            grammar: "Grammar | None" = None) -> str | None:
         """Queue a request; returns an error message if it can never run here. A remote request is
-        prefilled elsewhere: it waits for room for its KV (reserve_remote), then for the KV."""
+        prefilled elsewhere: it waits for room for its KV (reserve_remote), then for the KV. A request
+        with params.grammar comes with its matcher (engine/grammar.py)."""
         error = self.refusal(rid, input_ids, params)
         if error:
             return error
-        req = Request(rid, list(input_ids), params, self.eos_ids, self.policy.new_record())
+        if (params.grammar is None) != (grammar is None):
+            return "a constrained request needs its compiled grammar"
+        req = Request(rid, list(input_ids), params, self.eos_ids, self.policy.new_record(), grammar)
         self.requests[rid] = req
         if remote:
             req.status = Status.RESERVING
@@ -123,6 +131,8 @@ class Scheduler:
         error = self.refusal(rid, input_ids, params)
         if error:
             return None, error
+        if params.grammar is not None:
+            return None, "a constrained request does not move between ranks"
         if not self.pool.free_rows or not self.pool.can_grow([], kv_len + self.policy.growth) \
                 or len(self.running) >= self.config.max_running_requests:
             return None, "no room for it now"

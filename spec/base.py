@@ -31,6 +31,7 @@ from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from engine.step import StepInputs, StepResult, Target, step_result
 from spec.chains import Chain, ConfidenceTrim, expand
 from spec.decoder import SpecDecoder
+from engine.grammar_masks import mask_chain, settle_chain
 from spec.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -174,9 +175,7 @@ class SpecWorker(SpecDecoder):
         if grid is not None:                       # back on the grid; rows past a width stay 0 (never accepted)
             logits = logits.new_zeros(rows.shape[0] * (k + 1), logits.shape[-1]).index_copy_(0, grid, logits)
         logits = logits.view(rows.shape[0], k + 1, logits.shape[-1])
-        emitted, n = verify_greedy(greedy_drafts, logits)
-        if not inp.sampling.all_greedy:
-            emitted, n = self.accept_sampled(inp.sampling, chain, logits, emitted, n)
+        emitted, n = self.accept(inp.sampling, chain, greedy_drafts, logits)
         return Verified(attn=attn, out=out, logits=logits, emitted=emitted, n=n, q_lens=q_lens,
                         tokens=tokens.shape[0])
 
@@ -188,11 +187,20 @@ class SpecWorker(SpecDecoder):
                                f"{chain.widths is not None})")
         tokens = torch.cat([self.bonus[rows][:, None], chain.drafts], dim=1)                 # [B, k+1]
         logits, out = self.target.graphs.verify_forward(inp.graph, tokens, L, rows)
-        emitted, n = verify_greedy(chain.drafts, logits)
-        if not inp.sampling.all_greedy:
-            emitted, n = self.accept_sampled(inp.sampling, chain, logits, emitted, n)
+        emitted, n = self.accept(inp.sampling, chain, chain.drafts, logits)
         return Verified(attn=None, out=out, logits=logits, emitted=emitted, n=n,
                         q_lens=torch.full_like(rows, k + 1), tokens=tokens.numel())
+
+    def accept(self, sb: SamplingBatch, chain: Chain, greedy_drafts: torch.Tensor,
+               logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The emitted tokens [B, k+1] and accepted drafts [B] of a verify's logits [B, k+1, V]; constrained
+        rows' logits are masked along their chains first (engine/grammar_masks.py)."""
+        walked = mask_chain(logits, greedy_drafts, sb.grammars)
+        emitted, n = verify_greedy(greedy_drafts, logits)
+        if not sb.all_greedy:
+            emitted, n = self.accept_sampled(sb, chain, logits, emitted, n)
+        settle_chain(emitted, n, sb.grammars, walked)
+        return emitted, n
 
     def accept_sampled(self, sb: SamplingBatch, chain: Chain, logits: torch.Tensor, emitted: torch.Tensor,
                        n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,8 @@ def verify_sampled(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs
     batch, k = drafts.shape
     p_at = target_probs[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)     # p_{i-1}(d_i)
     q_at = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
-    accept = uniform * q_at <= p_at                                          # u <= p/q, without dividing by 0
+    # u <= p/q without dividing by 0; a token p cannot give (masked by a grammar) is never accepted
+    accept = (uniform * q_at <= p_at) & (p_at > 0)
     n = accepted_length(accept)
     rows = torch.arange(batch, device=drafts.device)
     p_last = target_probs[rows, n]                                           # [B, V]
