@@ -49,7 +49,7 @@ async def plan_generate(ctx: FrontContext, req: GenerateRequest) -> list[Sequenc
     ids = await prompt_ids(ctx, req)
     logprobs = req.top_logprobs_num if req.return_logprob else None
     return build_specs(uuid.uuid4().hex, [ids], sp, sp.max_new_tokens, prefix + "max_new_tokens",
-                       ctx.context_length, logprobs, DEFAULT_MAX_NEW_TOKENS)
+                       ctx.context_length, logprobs, DEFAULT_MAX_NEW_TOKENS, prefix)
 
 
 def finish_reason_json(result: ChoiceResult) -> dict | None:

@@ -12,8 +12,9 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from engine.messages import SamplingParams
+from engine.messages import GrammarSpec, SamplingParams
 from server.errors import APIError, bad_request, from_validation_error
+from server.grammar_params import ResponseFormat, grammar_spec
 from server.streaming import FrontContext, SequenceSpec
 
 MAX_N = 16
@@ -52,6 +53,8 @@ class CommonSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    regex: str | None = None            # structured outputs (server/grammar_params.py)
+    ebnf: str | None = None
     # Not implemented by the engine: accepted only at their neutral value.
     frequency_penalty: Any = None
     presence_penalty: Any = None
@@ -61,6 +64,7 @@ class CommonSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class OpenAIRequest(CommonSampling, kw_only=True):
     model: str | None = None
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -85,7 +89,6 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -94,9 +97,7 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
 class GenerateSampling(CommonSampling, kw_only=True):
     max_new_tokens: int | None = None
     min_new_tokens: Any = None
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
+    json_schema: Any = None             # a JSON schema (an object, or JSON text)
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -114,9 +115,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 UNSUPPORTED: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "min_new_tokens": (0,),
-    "json_schema": (), "regex": (), "ebnf": (), "image_data": (),
+    "image_data": (),
     "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
+    "audio": (), "modalities": (["text"],), "prediction": (),
 }
 
 
@@ -239,7 +240,8 @@ def max_new_tokens(requested: int | None, prompt_len: int, context_length: int, 
     return requested
 
 
-def sampling_params(req: CommonSampling, max_tokens: int, seed: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: CommonSampling, max_tokens: int, seed: int | None, logprobs: int | None,
+                    grammar: GrammarSpec | None = None) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -250,13 +252,16 @@ def sampling_params(req: CommonSampling, max_tokens: int, seed: int | None, logp
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        grammar=grammar,
     )
 
 
 def build_specs(rid: str, prompts: list[list[int]], req: CommonSampling, max_tokens: int | None, param: str,
-                context_length: int, logprobs: int | None, default_max: int | None = None) -> list[SequenceSpec]:
+                context_length: int, logprobs: int | None, default_max: int | None = None,
+                prefix: str = "") -> list[SequenceSpec]:
     """n choices per prompt; choice i of a prompt samples with seed + i when a seed is given."""
     stops = stop_strings(req.stop)
+    grammar = grammar_spec(req, prefix)
     total = len(prompts) * req.n
     specs = []
     for p, ids in enumerate(prompts):
@@ -265,7 +270,7 @@ def build_specs(rid: str, prompts: list[list[int]], req: CommonSampling, max_tok
             seed = None if req.seed is None else req.seed + i
             index = p * req.n + i
             specs.append(SequenceSpec(index=index, rid=rid if total == 1 else f"{rid}-{index}", input_ids=ids,
-                                      params=sampling_params(req, budget, seed, logprobs), stops=stops,
+                                      params=sampling_params(req, budget, seed, logprobs, grammar), stops=stops,
                                       skip_special_tokens=req.skip_special_tokens))
     return specs
 
