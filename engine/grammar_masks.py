@@ -91,6 +91,8 @@ def settle_chain(emitted: torch.Tensor, n: torch.Tensor, grammars: Grammars | No
         return
     accepted = n.tolist()
     for b, count in walked.items():
+        if accepted[b] > count and grammars[b].ended:
+            continue                  # its chain reached the grammar's stop token: the request ends there
         if accepted[b] > count:
             raise RuntimeError(f"a verify accepted {accepted[b]} drafts of a constrained row whose grammar "
                                f"allowed {count}")
