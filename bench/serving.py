@@ -32,6 +32,7 @@ except ImportError:         # run as a script: its folder is on sys.path, the re
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TOKENIZER = str(REPO / "models" / "tandem-dense")
 BACKENDS = ("tandem", "sglang", "vllm", "openai", "openai-chat")
+DEFAULT_CONSTRAINT = {"regex": "[a-z ]{4000}"}
 DATASETS = ("random", "prompts", "code", "generated-shared-prefix", "multi-turn")
 
 
@@ -43,6 +44,7 @@ class Request:
     prompt_len: int
     output_len: int
     turns: list[tuple[str, int]] = field(default_factory=list)   # multi-turn: later questions, output lens
+    constrained: bool = False         # sent with --constraint (structured outputs)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RequestResult:
     text: str = ""
     accept_length: float | None = None
     spec_verify_ct: int | None = None
+    constrained: bool = False
 
 
 # ---- datasets ------------------------------------------------------------------
@@ -147,7 +150,11 @@ def build_requests(args, tokenizer) -> list[Request]:
     makers = {"random": random_requests, "prompts": prompts_requests, "code": code_requests,
               "generated-shared-prefix": lambda a, t: prefix_datasets.shared_prefix_requests(a, t, make),
               "multi-turn": lambda a, t: prefix_datasets.multi_turn_requests(a, t, make)}
-    return makers[args.dataset_name](args, tokenizer)
+    requests = makers[args.dataset_name](args, tokenizer)
+    share = getattr(args, "constrained_fraction", 0.0)
+    for i, request in enumerate(requests):          # spread evenly: request i when (i+1)*share crosses an integer
+        request.constrained = int((i + 1) * share) > int(i * share)
+    return requests
 
 
 # ---- streaming clients ---------------------------------------------------------
@@ -211,6 +218,8 @@ def build_payload(args, request: Request) -> tuple[str, dict]:
             body["prompt"] = request.prompt
             path = "/v1/completions"
     body.update(args.extra_request_body or {})
+    if request.constrained:
+        (body["sampling_params"] if "sampling_params" in body else body).update(args.constraint)
     return args.base_url.rstrip("/") + path, body
 
 
@@ -245,7 +254,7 @@ def read_chunk(args, data: dict, result: RequestResult, clock: TokenClock, now: 
 
 async def send_request(session: aiohttp.ClientSession, args, request: Request) -> RequestResult:
     """Send one streaming request; every failure is caught and described."""
-    result = RequestResult(prompt_len=request.prompt_len)
+    result = RequestResult(prompt_len=request.prompt_len, constrained=request.constrained)
     url, body = build_payload(args, request)
     start = time.perf_counter()
     clock = TokenClock(result, start)
@@ -375,8 +384,10 @@ async def warm_up(session: aiohttp.ClientSession, args, requests: list[Request],
     if args.warmup_requests <= 0 or not requests:
         return
     first = requests[0]
-    warm = Request(first.prompt, first.prompt_len, min(first.output_len, 16))
-    warmups = await asyncio.gather(*(send_request(session, args, warm) for _ in range(args.warmup_requests)))
+    warm = [Request(first.prompt, first.prompt_len, min(first.output_len, 16))] * args.warmup_requests
+    if any(r.constrained for r in requests):        # and the constraint once: its first use compiles it
+        warm.append(Request(first.prompt, first.prompt_len, min(first.output_len, 16), constrained=True))
+    warmups = await asyncio.gather(*(send_request(session, args, request) for request in warm))
     failed = [r.error for r in warmups if not r.success]
     if failed and verbose:
         print(f"warning: {len(failed)} warm-up request(s) failed: {failed[0]}", file=sys.stderr)
@@ -540,6 +551,13 @@ def accept_length(ok: list[RequestResult]) -> float | None:
     return float(np.mean(reported)) if reported else None
 
 
+def decode_speed(decoding: list[RequestResult]) -> float | None:
+    """Tokens after the first over the time from the first to the last, over these streams."""
+    if not decoding:
+        return None
+    return sum(r.output_len - 1 for r in decoding) / max(sum(r.latency - r.ttft for r in decoding), 1e-9)
+
+
 def summarize(args, results: list[RequestResult], duration: float) -> dict:
     ok = [r for r in results if r.success]
     decoding = [r for r in ok if r.output_len > 1]
@@ -560,6 +578,9 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
                                           / max(sum(r.latency - r.ttft for r in decoding), 1e-9)
                                           if decoding else None),
     }
+    for kind, constrained in (("free", False), ("constrained", True)):   # --constrained-fraction's two kinds
+        metrics[f"{kind}_decode_throughput_per_request"] = decode_speed([r for r in decoding
+                                                                         if r.constrained == constrained])
     metrics |= stats("ttft", [r.ttft for r in ok])
     metrics |= stats("tpot", tpots)
     metrics |= stats("itl", [gap for r in ok for gap in r.itl])
@@ -591,6 +612,9 @@ def print_summary(m: dict) -> None:
     row("Input token throughput (tok/s):", m["input_throughput"])
     row("Output token throughput (tok/s):", m["output_throughput"])
     row("Decode tok/s per request:", m["decode_throughput_per_request"])
+    if m["constrained_decode_throughput_per_request"] is not None:
+        row("  of free streams:", m["free_decode_throughput_per_request"])
+        row("  of constrained streams:", m["constrained_decode_throughput_per_request"])
     row("Concurrency:", m["concurrency"])
     if m["accept_length"] is not None:
         row("Accept length:", m["accept_length"])
@@ -677,6 +701,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="Seed of the dataset and the arrivals.")
     parser.add_argument("--tokenizer", default=None,
                         help="Tokenizer folder (default: --model if it is a folder, else models/tandem-dense).")
+    parser.add_argument("--constrained-fraction", type=float, default=0.0,
+                        help="Share of the requests sent with --constraint (spread evenly); the summary gives "
+                             "free and constrained streams' decode speeds apart.")
+    parser.add_argument("--constraint", type=json.loads, default=DEFAULT_CONSTRAINT,
+                        help="The grammar fields a constrained request adds (to /generate's sampling_params, or "
+                             "the OpenAI body). The default never ends before its length limit.")
     prefix_datasets.add_args(parser)
 
 
@@ -736,6 +766,9 @@ def finish_args(args) -> None:
         raise ValueError("--max-concurrency must be at least 1")
     if args.dataset_name == "prompts" and not (args.dataset_path and Path(args.dataset_path).is_file()):
         raise ValueError("--dataset-name prompts needs --dataset-path to a JSONL file")
+    if not 0.0 <= getattr(args, "constrained_fraction", 0.0) <= 1.0 or not isinstance(getattr(
+            args, "constraint", {}), dict):
+        raise ValueError("--constrained-fraction must be in [0, 1] and --constraint a JSON object")
     if args.extra_request_body is not None and not isinstance(args.extra_request_body, dict):
         raise ValueError("--extra-request-body must be a JSON object")
     if getattr(args, "prefill_url", None) and not args.prefill_url.startswith(("http://", "https://")):

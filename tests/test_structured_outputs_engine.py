@@ -105,6 +105,12 @@ def test_constrained_greedy_equals_plain_constrained_decoding(case, jobs, tokeni
         assert got == want, (case, job[1], text_of(tokenizer, got[0]), text_of(tokenizer, want[0]))
 
 
+def test_free_requests_beside_constrained_ones_are_unchanged(jobs, tokenizer, reference):
+    free_jobs = [(prompt, None) for prompt, _ in jobs]
+    alone = run_engine(PLAIN, free_jobs, tokenizer, GREEDY)
+    assert [out for out, (_, name) in zip(reference, jobs) if name is None] == alone[-2:]
+
+
 def transformers_constrained_greedy(prompt: list[int], name: str, tokenizer) -> list[int]:
     """Greedy decoding with transformers' logits, masked by a fresh xgrammar matcher each step."""
     import torch
