@@ -61,6 +61,7 @@ class RequestResult:
     accept_length: float | None = None
     spec_verify_ct: int | None = None
     constrained: bool = False
+    turn: int = 0                     # multi-turn: which turn of its conversation (0: the first)
 
 
 # ---- datasets ------------------------------------------------------------------
@@ -376,6 +377,7 @@ async def send_conversation(session: aiohttp.ClientSession, args, request: Reque
             break
         history += results[-1].text + question
         results.append(await send_request(session, args, Request(history, 0, output_len)))
+        results[-1].turn = len(results) - 1
     return results
 
 
@@ -582,6 +584,10 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
         metrics[f"{kind}_decode_throughput_per_request"] = decode_speed([r for r in decoding
                                                                          if r.constrained == constrained])
     metrics |= stats("ttft", [r.ttft for r in ok])
+    turns = max((r.turn for r in ok), default=0) + 1
+    if turns > 1:                                    # multi-turn: each turn sends a longer conversation
+        metrics["median_ttft_ms_by_turn"] = [stats("ttft", [r.ttft for r in ok if r.turn == t])["median_ttft_ms"]
+                                             for t in range(turns)]
     metrics |= stats("tpot", tpots)
     metrics |= stats("itl", [gap for r in ok for gap in r.itl])
     metrics |= stats("e2e_latency", [r.latency for r in ok])
@@ -618,6 +624,8 @@ def print_summary(m: dict) -> None:
     row("Concurrency:", m["concurrency"])
     if m["accept_length"] is not None:
         row("Accept length:", m["accept_length"])
+    for turn, ttft in enumerate(m.get("median_ttft_ms_by_turn") or []):
+        row(f"Median TTFT of turn {turn + 1} (ms):", ttft)
     for key, title in [("e2e_latency", "End-to-End Latency"), ("ttft", "Time to First Token"),
                        ("tpot", "Time per Output Token (excl. 1st token)"), ("itl", "Inter-Token Latency")]:
         print("{s:{c}^52}".format(s=f" {title} ", c="-"))

@@ -298,6 +298,7 @@ def test_shared_prefix_and_multi_turn_workloads_flush_the_cache_first(tokenizer_
                 longest = max(earlier, key=len)
                 assert prompt[len(longest):].startswith(" t0 t1 t2 t3 t4 t5")
         assert sum(not any(prompt.startswith(p) for p in prompts if p != prompt) for prompt in prompts) == 3
+        assert len(m["median_ttft_ms_by_turn"]) == 3 and all(t > 0 for t in m["median_ttft_ms_by_turn"])
     finally:
         server.close()
 

@@ -88,3 +88,16 @@ def test_real_server_backends(tandem_url, backend):
         assert m[f"median_{name}_ms"] <= m[f"p90_{name}_ms"] <= m[f"p99_{name}_ms"]
     assert m["output_throughput"] > 0 and m["request_throughput"] > 0 and m["concurrency"] > 0
     assert m["accept_length"] is None or m["accept_length"] >= 1.0  # the embedded model speculates by default
+
+
+def test_a_constrained_share_follows_its_grammar_and_is_measured_apart(tandem_url):
+    args = serving.parse_args(["--base-url", tandem_url, "--tokenizer", str(MODEL), "--dataset-name", "code",
+                               "--num-prompts", "4", "--random-input-len", "32", "--random-output-len", "12",
+                               "--random-range-ratio", "1", "--max-concurrency", "4", "--disable-tqdm",
+                               "--timeout", "60", "--constrained-fraction", "0.5"])
+    requests = serving.build_requests(args, serving.load_tokenizer(str(MODEL)))
+    assert [r.constrained for r in requests] == [False, True, False, True]
+    m = asyncio.run(asyncio.wait_for(serving.run_benchmark(args, verbose=False, requests=requests), 120))
+    assert m["failed"] == 0, m["failure_reasons"]
+    assert m["free_decode_throughput_per_request"] > 0 and m["constrained_decode_throughput_per_request"] > 0
+    assert m["total_output_tokens"] == 4 * 12            # the default constraint never ends before the limit
