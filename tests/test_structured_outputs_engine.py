@@ -1,6 +1,7 @@
 """Structured outputs on the embedded model, in-process: constrained greedy decoding equals plain
 constrained decoding (one step a launch, no overlap) for every speculative algorithm, overlap on and
-off, multi-step launches and CPU graphs, with unconstrained requests in the same batches unchanged;
+off, multi-step launches, CPU graphs and a KV pool small enough to retract requests, with unconstrained
+requests in the same batches unchanged;
 plain constrained decoding is transformers' greedy decoding under xgrammar's masks; every output,
 greedy or seeded, matches its grammar and ends with it."""
 from __future__ import annotations
@@ -34,6 +35,8 @@ CASES = {
     "eagle3": ALGORITHMS["eagle3"] + ["--num-scheduler-steps", "4"],
     "standalone": ALGORITHMS["standalone"],
     "ngram": ALGORITHMS["ngram"],
+    "eagle-retracting": ALGORITHMS["eagle"] + ["--max-total-tokens", "320"],    # requests retracted, recomputed
+    "none-retracting": ALGORITHMS["none"] + ["--max-total-tokens", "320"],
 }
 
 
@@ -71,6 +74,7 @@ def run_engine(flags: list[str], jobs, tokenizer, params: SamplingParams) -> lis
         raise AssertionError("the engine did not finish")
     asyncio.run(drive())
     core.runner.device.synchronize()
+    assert ("--max-total-tokens" in flags) == (core.scheduler.retractions > 0)
     assert core.scheduler.pool.used_slots == 0
     return [(r.output_ids, r.finish_reason) for r in requests]
 
