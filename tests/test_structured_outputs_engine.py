@@ -115,32 +115,40 @@ def test_free_requests_beside_constrained_ones_are_unchanged(jobs, tokenizer, re
     assert [out for out, (_, name) in zip(reference, jobs) if name is None] == alone[-2:]
 
 
-def transformers_constrained_greedy(prompt: list[int], name: str, tokenizer) -> list[int]:
-    """Greedy decoding with transformers' logits, masked by a fresh xgrammar matcher each step."""
+@pytest.fixture(scope="module")
+def hf_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(DENSE, torch_dtype=torch.float32).eval()
+
+
+def transformers_constrained_greedy(model, prompt: list[int], name: str, tokenizer) -> list[int]:
+    """Greedy decoding with transformers' logits (its own KV cache), masked by a fresh xgrammar matcher."""
     import torch
     import xgrammar as xgr
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(DENSE, torch_dtype=torch.float32)
     compiled = GrammarCompiler(str(DENSE), model.config.vocab_size, frozenset({tokenizer.eos_token_id})) \
         .compile_now(GRAMMARS[name])
-    matcher, ids, out = xgr.GrammarMatcher(compiled), list(prompt), []
-    bitmask = xgr.allocate_token_bitmask(1, model.config.vocab_size)
+    matcher, out, past = xgr.GrammarMatcher(compiled), [], None
+    bitmask, feed = xgr.allocate_token_bitmask(1, model.config.vocab_size), torch.tensor([prompt])
     with torch.no_grad():
         while len(out) < MAX_NEW and not matcher.is_terminated():
-            logits = model(torch.tensor([ids])).logits[:, -1].float()
+            step = model(feed, past_key_values=past, use_cache=True)
+            logits, past = step.logits[:, -1].float(), step.past_key_values
             matcher.fill_next_token_bitmask(bitmask)
             xgr.apply_token_bitmask_inplace(logits, bitmask)
             token = int(logits.argmax())
             assert matcher.accept_token(token)
-            ids.append(token)
             out.append(token)
+            feed = torch.tensor([[token]])
     return out
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 @pytest.mark.parametrize("name", ["nested", "regex"])
-def test_plain_constrained_decoding_is_transformers_greedy_under_the_same_masks(name, jobs, tokenizer, reference):
+def test_plain_constrained_decoding_is_transformers_greedy_under_the_same_masks(name, jobs, tokenizer, reference,
+                                                                              hf_model):
     index = next(i for i, job in enumerate(jobs) if job[1] == name)
-    assert reference[index][0] == transformers_constrained_greedy(jobs[index][0], name, tokenizer)
+    assert reference[index][0] == transformers_constrained_greedy(hf_model, jobs[index][0], name, tokenizer)
 
 
 @pytest.mark.parametrize("case", ["none", "eagle", "ngram"])
