@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.batch import ScheduledBatch, SeqWork, StepOutput
+from engine.batch import Admission, ScheduledBatch, SeqWork, StepOutput
 from engine.kv_pool import KVPool
 from engine.messages import SamplingParams
 from engine.policy import DecodePolicy, PlainDecoding
@@ -197,6 +197,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             self.start_from_cache(batch, req, path)
+            batch.admitted.append(Admission(req.rid, req.known_len, req.kv_len))
             budget -= self.feed_chunk(batch, req, budget)
 
     def prefill_ready(self) -> bool:
