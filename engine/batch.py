@@ -32,6 +32,15 @@ class DecodePlan(Protocol):
     chain: int                  # decode: draft tokens per request
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A request admitted into a batch, for the trace: the tokens it knew then (its prompt; with its
+    outputs so far when it is recomputed after a retraction) and how many of them the prefix cache held."""
+    rid: str
+    known: int
+    cached: int
+
+
 @dataclass
 class ScheduledBatch:
     step: int
@@ -43,6 +52,7 @@ class ScheduledBatch:
     sample_params: list[SamplingParams] = field(default_factory=list)   # one per sampling seq
     spec: DecodePlan | None = None                         # the decode policy's plan (with speculation)
     idle: bool = False          # DP attention: no rows, run only to keep this rank's collectives in step
+    admitted: list[Admission] = field(default_factory=list)    # requests this batch admitted (the trace's)
     steps: int = 1              # decode steps run back to back (--num-scheduler-steps): plain decodes
                                 # feed one token each, then their own last; speculative ones draft
                                 # and verify again from what the round before accepted

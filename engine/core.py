@@ -65,6 +65,14 @@ class Finished:
     output: StepOutput
 
 
+def admissions(batch: ScheduledBatch) -> dict:
+    """The trace's record of the requests a batch admitted: what each knew and how much of it the prefix
+    cache held (none when it admitted none, to keep decode steps' spans short)."""
+    if not batch.admitted:
+        return {}
+    return {"admitted": [{"rid": a.rid, "tokens": a.known, "cached": a.cached} for a in batch.admitted]}
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool, tracer: Tracer | None = None,
                  dp: DpGroup | None = None):
@@ -166,8 +174,8 @@ class EngineCore:
             observe(flight)
         end = time.perf_counter()
         self.meter.cpu(start, end)
-        self.tracer.span("schedule", f"schedule {batch.step}", start, scheduled,
-                         seqs=len(batch.seqs), tokens=batch.num_tokens)
+        self.tracer.span("schedule", f"schedule {batch.step}", start, scheduled, seqs=len(batch.seqs),
+                         tokens=batch.num_tokens, **admissions(batch))
         self.tracer.span("launch", f"launch {batch.step}", scheduled, end)
         return flight
 

@@ -38,6 +38,7 @@ class Decoding(ABC):
     needs_aux = False                 # the target returns EAGLE-3 aux hidden states for the draft
     plain_decode_graphs = True        # a batch of plain decodes may replay the target's captured decode
     draft_kv: "KVCache | None" = None     # a draft model's own KV (shares the target's slots)
+    draft_lookahead = 0               # tokens after a position that the draft's K/V there depends on
 
     def __init__(self, args: "ServerArgs", target: Target):
         self.args, self.target = args, target

@@ -18,12 +18,12 @@ EVICT_AT_LEAST = 32      # pages the cache gives back when the free list runs sh
 
 
 class KVPool:
-    def __init__(self, num_slots: int, page_size: int, num_rows: int, cache: bool = False):
+    def __init__(self, num_slots: int, page_size: int, num_rows: int, cache: bool = False, cache_lookahead: int = 0):
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.free_rows = list(range(num_rows - 1, -1, -1))
-        self.cache = RadixCache(page_size) if cache else None
+        self.cache = RadixCache(page_size, cache_lookahead) if cache else None
 
     @property
     def free_count(self) -> int:

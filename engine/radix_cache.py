@@ -7,6 +7,13 @@ parent, by the tokens of that page; the path from the root spells a token prefix
 the path's pages is that prefix's (K/V at a position depends on the tokens up to it, never after,
 so a prefix's pages serve every sequence that starts with it). Partial pages are never shared.
 
+With a draft whose K/V at a position depends on the token after it (an EAGLE head reads token t+1
+at position t: `lookahead` 1), a page's K/V is its tokens' only when that next token is the same
+too, so each node's key holds the page's tokens and the token after them. A request whose prompt
+leaves a page with another token than the one cached (a new question after a shared system
+prompt) matches one page less and computes that page itself; were it to read the page, its drafts
+would differ from those it would make alone, and a seeded request would draw other tokens.
+
   ref        running requests that read the node's page (each holds its whole matched path): a
              page with ref > 0 is never evicted, and nothing writes a cached page (a request that
              matched m positions writes from position m on, in pages of its own)
@@ -30,7 +37,7 @@ from engine.stats import MEAN_MEASURED, Stat, counter, gauge
 
 @dataclass(eq=False)
 class Node:
-    key: tuple[int, ...]                # the tokens of this page (empty at the root)
+    key: tuple[int, ...]                # the tokens of this page, and the lookahead after them (empty at the root)
     page: int                           # the pool page holding their K/V (-1 at the root)
     parent: Node | None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
@@ -48,8 +55,9 @@ class CacheStats:
 
 
 class RadixCache:
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, lookahead: int = 0):
         self.page_size = page_size
+        self.lookahead = lookahead  # tokens after a page that its K/V depends on (0 or 1)
         self.root = Node((), -1, None)
         self.pages = 0              # pages the tree holds
         self.evictable = 0          # ... of those, with ref 0
@@ -59,10 +67,11 @@ class RadixCache:
     # ---- lookup --------------------------------------------------------------------------
 
     def match(self, tokens: list[int], limit: int) -> list[Node]:
-        """The longest cached path spelling a prefix of tokens[:limit], in whole pages."""
+        """The longest cached path spelling a prefix of tokens[:limit], in whole pages (each followed in
+        `tokens` by its lookahead)."""
         path, node, ps, now = [], self.root, self.page_size, next(self.clock)
         for start in range(0, limit - limit % ps, ps):
-            node = node.children.get(tuple(tokens[start:start + ps]))
+            node = node.children.get(self.key(tokens, start))
             if node is None:
                 break
             node.last_use = now
@@ -84,13 +93,21 @@ class RadixCache:
 
     # ---- insertion -------------------------------------------------------------------------
 
+    def key(self, tokens: list[int], start: int) -> tuple[int, ...] | None:
+        """The key of the page at `start`: its tokens and the lookahead (None where tokens end first)."""
+        key = tuple(tokens[start:start + self.page_size + self.lookahead])
+        return key if len(key) == self.page_size + self.lookahead else None
+
     def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
-        """Cache the K/V of tokens[:len(pages) * page_size], held in `pages`. The tree takes the pages
-        it lacked; returns those it already held another copy of (the caller frees them). A page
-        that is already the tree's (a matched prefix) stays where it is."""
+        """Cache the K/V of tokens[:len(pages) * page_size], held in `pages` (`tokens` goes on with the
+        lookahead after them). The tree takes the pages it lacked; returns those it already held another
+        copy of, or could not key (the caller frees them). A page that is already the tree's (a matched
+        prefix) stays where it is."""
         node, ps, now, spare = self.root, self.page_size, next(self.clock), []
         for i, page in enumerate(pages):
-            key = tuple(tokens[i * ps:(i + 1) * ps])
+            key = self.key(tokens, i * ps)
+            if key is None:
+                return spare + pages[i:]
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = Node(key, page, node, last_use=now)

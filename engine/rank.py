@@ -70,7 +70,8 @@ def build_core(args: ServerArgs, device: Device, eos_ids: frozenset[int], tracer
     runner = ModelRunner(args, device, future_slots, dp)
     capture_graphs(runner)
     device.order_after_setup()
-    pool = KVPool(runner.num_slots, args.page_size, runner.num_rows, cache=not args.disable_radix_cache)
+    pool = KVPool(runner.num_slots, args.page_size, runner.num_rows, cache=not args.disable_radix_cache,
+                  cache_lookahead=runner.decoding.draft_lookahead)
     scheduler = Scheduler(scheduler_config(args, runner, future_slots), pool, eos_ids, decode_policy(args, runner))
     return EngineCore(scheduler, runner, args.enable_overlap, tracer, dp)
 

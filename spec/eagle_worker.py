@@ -45,6 +45,9 @@ class EagleWorker(SpecWorker):
     # A head reads the target's features, which are gone after the step: what it skips it cannot catch up
     # on, so a request whose positions it skipped (inp.spec.draft_skip) decodes plainly to its end.
     falls_behind = True
+    # Head position t reads token t+1: the prefix cache keys a page with the token after it (engine/radix_cache.py).
+    draft_lookahead = 1
+
     def __init__(self, args, target):
         super().__init__(args, target)
         dev = target.torch_device

@@ -55,7 +55,9 @@ async def test_a_prompt_sent_again_is_read_from_the_cache_until_it_is_flushed(se
         async with http.post(server.url + "/generate", json={"text": PROMPT + "    if",
                                                              "sampling_params": {"max_new_tokens": 4}}) as response:
             meta = (await response.json())["meta_info"]
-        assert meta["cached_tokens"] >= first.usage.prompt_tokens - 1
+        # the prompt's last position was cached followed by the answer, here by " if": the default EAGLE head's
+        # K/V there depends on the token after it (engine/radix_cache.py: lookahead), so that one is computed
+        assert meta["cached_tokens"] >= first.usage.prompt_tokens - 2
 
         stream = await client.completions.create(model="tandem-dense", prompt="import os\n", max_tokens=1000,
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})

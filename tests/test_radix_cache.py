@@ -23,6 +23,8 @@ from engine.radix_cache import RadixCache
 from engine.request import Status
 from engine.scheduler import Scheduler, SchedulerConfig
 from spec.policy import SpeculativeDecoding
+from tests.pool_checks import check_pool
+from tests.test_spec_gate import Scripted
 
 # ---- the tree -------------------------------------------------------------------------------
 
@@ -55,6 +57,18 @@ def test_referenced_pages_stay_and_the_least_recently_used_leaves_go_first():
     cache.unlock(held)
     assert cache.evict(2) == [2, 1]                  # a leaf, then its parent once it is a leaf
     assert sorted(cache.flush()) == [0] and cache.pages == 0
+
+
+def test_with_a_lookahead_a_page_matches_only_where_the_token_after_it_is_the_same_too():
+    """A draft that reads token t+1 at position t (an EAGLE head) left K/V in a page for the token after it."""
+    cache = RadixCache(page_size=2, lookahead=1)
+    assert cache.insert([1, 2, 3, 4, 5], [10, 11]) == []                     # [1, 2] before 3, [3, 4] before 5
+    assert [n.page for n in cache.match([1, 2, 3, 4, 5, 6], 5)] == [10, 11]
+    assert [n.page for n in cache.match([1, 2, 3, 4, 9], 4)] == [10]         # [3, 4] was cached before 5, not 9
+    assert cache.insert([1, 2, 3, 4, 9], [10, 20]) == []                     # so [3, 4] before 9 is a page of its own
+    assert [n.page for n in cache.match([1, 2, 3, 4, 9], 4)] == [10, 20] and cache.pages == 3
+    assert cache.insert([1, 2, 3], [30]) == [30]                              # held already
+    assert cache.insert([7, 8], [40]) == [40] and cache.pages == 3           # no token after it: it cannot be keyed
 
 
 # ---- the scheduler over a device with K/V content ------------------------------------------------
@@ -101,19 +115,6 @@ class KvDevice:
                 runs.append([sample(state)])
                 self.futures[seq.future_id] = runs[-1][0]
         return StepOutput(tokens=runs)
-
-
-def check_pool(sched: Scheduler) -> None:
-    """Every page in exactly one place; every cached page a request reads holds its tokens."""
-    pool, cache = sched.pool, sched.pool.cache
-    places = list(pool.free_pages) + [node.page for node in cache.nodes()]
-    for req in sched.running:
-        places += req.pages[len(req.cache_path):]
-        for i, node in enumerate(req.cache_path):
-            assert node.ref > 0 and req.pages[i] == node.page
-            assert list(node.key) == req.all_ids[i * pool.page_size:(i + 1) * pool.page_size]
-    assert sorted(places) == list(range(pool.num_pages)), "a page lost, or in two places"
-    assert cache.evictable == sum(node.ref == 0 for node in cache.nodes())
 
 
 def make(num_slots: int, page_size: int, policy=None, rows: int = 8) -> Scheduler:
@@ -260,3 +261,30 @@ def test_pages_whose_draft_state_is_stale_stay_out_of_the_cache(speculative):
         sched.process(batch, device.run(batch))
     assert sched.pool.cache.pages == (0 if speculative else 29)
     assert sched.pool.used_slots == 0 and sched.pool.free_count == sched.pool.num_pages
+
+
+def test_positions_an_eagle_head_stepped_aside_from_stay_out_of_the_cache():
+    """Once the gate settles on plain decoding, an EAGLE head skips the plain runs (spec/policy.py: aside),
+    and the prompts that join them: a seeded request that read those pages would draft from K/V the head
+    never wrote, so only what it read before is cached, and a prompt it never read adds nothing."""
+    gate = Scripted([False], settle_after=1)
+    sched = make(num_slots=512, page_size=1,
+                 policy=SpeculativeDecoding(spec_tokens=4, rounds=4, gate=gate, draft_falls_behind=True))
+    sched.add("g", [1, 2, 3], SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True))
+    runs = [[4], [5, 6, 7, 8], [9, 10, 11, 12]]       # the prompt, a plain run the head reads, one it skips
+    for tokens in runs:
+        batch = sched.schedule()
+        sched.process(batch, StepOutput(tokens=[tokens]))
+    assert batch.spec.draft_skip and not sched.requests
+    assert sched.pool.cache.pages == 7                # positions 0-6: the prompt and the run the head read
+
+    short = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    sched.add("h", [1, 2, 3, 4, 5, 6, 7, 8, 20], short)
+    sched.add("i", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 30], short)
+    batch = sched.schedule()                          # settled: greedy prompts go unread
+    assert batch.spec.draft_skip and [s.req.cached_tokens for s in batch.seqs] == [7, 7]
+    sched.process(batch, StepOutput(tokens=[[21], [31]]))
+    while sched.has_work:
+        batch = sched.schedule()
+        sched.process(batch, StepOutput(tokens=[[40] for _ in batch.sampling]))
+    assert sched.pool.cache.pages == 7
