@@ -4,11 +4,13 @@
         --disconnect-fraction 0.2 --bad-fraction 0.05 --output-file soak.json
     python bench/soak.py --port 30000 --duration 30 --kill-rank-every 500     # a --dp-size 2 server
     python bench/soak.py --port 30000 --prefix-fraction 0.6      # most prompts share long prefixes
+    python bench/soak.py --port 30000 --structured-fraction 0.2  # a fifth follow a JSON schema, regex or EBNF
 
 Requests mix /v1/completions, /v1/chat/completions and /generate, streamed or whole, with
 greedy, temperature, top-p and seeded sampling, n > 1, stop strings and logprobs; some
 clients hang up mid-stream and some send bad requests; --prefix-fraction of the good ones
-start with a few shared system prompts (bench/soak_mix.py). Every answer is checked
+start with a few shared system prompts (bench/soak_mix.py), and --structured-fraction carry a grammar
+(bench/soak_grammar.py). Every answer is checked
 (bench/soak_checks.py); during the run and at its end the KV pool's pages must add up
 (bench/soak_pages.py); at the end the server must have freed every KV slot, and its
 resident memory must not have grown by more than --max-rss-growth percent. Prints a JSON
@@ -356,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-fraction", type=float, default=0.0,
                         help="Share of the good requests whose prompt starts with one of a few long shared system "
                              "prompts (new questions, prompts sent again, a chat's next turn): prefix-cache traffic.")
+    parser.add_argument("--structured-fraction", type=float, default=0.0,
+                        help="Share of the good requests with a grammar (a JSON schema, a regex or EBNF: "
+                             "bench/soak_grammar.py); an answer that stops must match it.")
     parser.add_argument("--bad-kinds", type=lambda text: text.split(","), default=list(BAD_REQUESTS),
                         help=f"Comma-separated kinds of bad input to send, of: {','.join(BAD_REQUESTS)}.")
     parser.add_argument("--timeout", type=float, default=120.0, help="Seconds one request may take (a violation).")
@@ -401,8 +406,10 @@ def check_load_args(args) -> None:
         raise ValueError("--num-requests must be at least 1 and --duration positive")
     if args.concurrency < 1 or args.timeout <= 0 or args.recovery_timeout <= 0 or args.drain_timeout < 0:
         raise ValueError("--concurrency must be at least 1 and the timeouts positive")
-    if not all(0 <= share <= 1 for share in (args.disconnect_fraction, args.bad_fraction, args.prefix_fraction)):
-        raise ValueError("--disconnect-fraction, --bad-fraction and --prefix-fraction must be in [0, 1]")
+    shares = (args.disconnect_fraction, args.bad_fraction, args.prefix_fraction, args.structured_fraction)
+    if not all(0 <= share <= 1 for share in shares):
+        raise ValueError("--disconnect-fraction, --bad-fraction, --prefix-fraction and --structured-fraction "
+                         "must be in [0, 1]")
     if args.kill_rank_every is not None and args.kill_rank_every < 1:
         raise ValueError("--kill-rank-every must be at least 1")
 

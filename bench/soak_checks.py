@@ -15,6 +15,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from bench.soak_grammar import grammar_problem
+
 DONE = "[DONE]"
 ERROR_KEYS = ("message", "type", "param", "code")
 # A 500 or an error event is an allowed failure only when it says why: the engine or a rank.
@@ -37,12 +39,13 @@ class Plan:
     bad: str | None = None              # the kind of bad input this request carries
     determinism_key: tuple | None = None  # same key, same text (greedy; seeded with the seed added per choice)
     seed: int | None = None
+    grammar: str | None = None          # structured outputs: what a stopped answer must match (soak_grammar.py)
 
     @property
     def kind(self) -> str:
         if self.bad:
             return f"bad/{self.bad}"
-        return f"{self.endpoint}/{'stream' if self.stream else 'whole'}"
+        return f"{self.endpoint}/{'stream' if self.stream else 'whole'}" + ("/grammar" if self.grammar else "")
 
 
 @dataclass
@@ -346,6 +349,8 @@ def check_choice(plan: Plan, choice: Choice, count: int | None) -> list[tuple[st
         return [("finish_missing", f"{name} ended with finish_reason {choice.finish_reason!r}")]
     problems = [("stop_in_text", f"{name}: stop {stop!r} in {short(choice.text, 80)!r}")
                 for stop in plan.stops if stop in choice.text]
+    if plan.grammar and choice.finish_reason == "stop" and grammar_problem(plan.grammar, choice.text):
+        problems.append(("grammar_mismatch", f"{name} ({plan.grammar}): {grammar_problem(plan.grammar, choice.text)}"))
     if choice.tokens is not None and count is not None and choice.tokens != count:
         problems.append(("token_count_mismatch", f"{name}: completion_tokens {count} but {choice.tokens} tokens sent"))
     if choice.logprob_entries is not None and choice.logprob_entries != choice.tokens:

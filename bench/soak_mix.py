@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from bench import serving
 from bench.soak_checks import Plan
+from bench.soak_grammar import GRAMMAR_MAX_TOKENS, grammar_fields, pick_grammar, uncompilable
 
 ENDPOINTS = ("completions", "chat", "generate")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
@@ -126,12 +127,18 @@ class Recipe:
     seed: int | None
     stops: tuple[str, ...]
     ignore_eos: bool
+    grammar: str | None = None          # structured outputs: a name of bench/soak_grammar.py's CHECKS
+
+    @property
+    def max_tokens(self) -> int:
+        return GRAMMAR_MAX_TOKENS if self.grammar else self.prompt.max_tokens
 
     @property
     def determinism_key(self) -> tuple | None:
         if self.mode not in ("greedy", "seeded"):
             return None
-        return self.mode, self.endpoint, self.prompt.id, self.prompt.max_tokens, self.stops, self.ignore_eos
+        return (self.mode, self.endpoint, self.prompt.id, self.max_tokens, self.stops, self.ignore_eos,
+                self.grammar)
 
 
 class Mix:
@@ -144,6 +151,7 @@ class Mix:
         self.bad_kinds = args.bad_kinds
         self.recipes: list[Recipe] = []     # recent greedy and seeded ones, to send again
         self.prefix_fraction = args.prefix_fraction
+        self.structured_fraction = args.structured_fraction
         self.prefixes = SharedPrefixes(self.rng, pool) if args.prefix_fraction else None
 
     def plan(self, index: int) -> Plan:
@@ -157,9 +165,12 @@ class Mix:
         if self.recipes and rng.random() < REPEAT_SHARE:
             return rng.choice(self.recipes)
         mode = rng.choices(list(SAMPLING_MODES), weights=[w for w, _ in SAMPLING_MODES.values()])[0]
+        # (no draw at all without --structured-fraction: a seed makes the same mix as before)
+        grammar = pick_grammar(rng) if self.structured_fraction and rng.random() < self.structured_fraction else None
         stops = tuple(rng.sample(STOP_STRINGS, rng.choice((1, 2)))) if rng.random() < STOP_SHARE else ()
-        recipe = Recipe(self.draw_prompt(), rng.choice(ENDPOINTS), mode,
-                        rng.choice(SEEDS) if mode == "seeded" else None, stops, rng.random() < IGNORE_EOS_SHARE)
+        seed = rng.choice(SEEDS) if mode == "seeded" else None
+        recipe = Recipe(self.draw_prompt(), rng.choice(ENDPOINTS), mode, seed, () if grammar else stops,
+                        rng.random() < IGNORE_EOS_SHARE, grammar)
         if recipe.determinism_key is not None:
             self.recipes = [*self.recipes[-(RECIPES_KEPT - 1):], recipe]
         return recipe
@@ -172,7 +183,7 @@ class Mix:
     def good_plan(self, index: int, disconnect: bool) -> Plan:
         """A recipe, sent in any shape: streamed or whole, n choices, with or without logprobs."""
         rng, recipe = self.rng, self.recipe()
-        endpoint, max_tokens = recipe.endpoint, recipe.prompt.max_tokens
+        endpoint, max_tokens = recipe.endpoint, recipe.max_tokens
         stream = disconnect or rng.random() < STREAM_SHARE
         n = rng.choice((2, 3)) if rng.random() < N_SHARE else 1
         body = base_body(endpoint, self.model, recipe.prompt.text, stream)
@@ -180,6 +191,8 @@ class Mix:
                 ({"stop": list(recipe.stops)} if recipe.stops else {})
         with_sampling(endpoint, body, max_tokens=max_tokens, n=n, ignore_eos=recipe.ignore_eos,
                       **SAMPLING_MODES[recipe.mode][1], **extra)
+        if recipe.grammar:
+            with_sampling(endpoint, body, **grammar_fields(endpoint, recipe.grammar))
         logprobs = rng.random() < LOGPROBS_SHARE
         if logprobs:
             ask_logprobs(endpoint, body, rng)
@@ -189,7 +202,7 @@ class Mix:
         return Plan(index, endpoint, body, stream=stream, max_tokens=max_tokens, n=n, stops=recipe.stops,
                     logprobs=logprobs, include_usage=include_usage,
                     disconnect_after=rng.choice((1, 2)) if disconnect else 0,
-                    determinism_key=recipe.determinism_key, seed=recipe.seed)
+                    determinism_key=recipe.determinism_key, seed=recipe.seed, grammar=recipe.grammar)
 
     def bad_plan(self, index: int) -> Plan:
         name = self.rng.choice(self.bad_kinds)
@@ -235,5 +248,6 @@ BAD_REQUESTS = {
     "token_ids_out_of_vocab": (("completions", "generate"), out_of_vocab),
     "max_tokens_beyond_context": (ENDPOINTS, lambda endpoint, body, context_length:
                                   with_sampling(endpoint, body, max_tokens=context_length + 1)),
+    "uncompilable_grammar": (ENDPOINTS, uncompilable),
     "huge_stop_list": (ENDPOINTS, spoil_sampling(stop=[f"<stop {i}>" for i in range(1000)])),
 }

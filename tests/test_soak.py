@@ -94,6 +94,18 @@ def test_more_tokens_than_max_tokens_are_caught():
     assert kinds(check_answer(Plan(0, "completions", {}, max_tokens=4, n=2), whole_answer(body))) == ["over_max_tokens"]
 
 
+def test_a_stopped_answer_that_breaks_its_grammar_is_caught():
+    def answer(text: str, reason: str) -> Answer:
+        return whole_answer(generate_output([1, 2], 2, reason, text))
+    plan = Plan(0, "generate", {}, max_tokens=40, grammar="regex")
+    assert kinds(check_answer(plan, answer("yes, 12!", "stop"))) == []
+    assert kinds(check_answer(plan, answer("yes, 12", "stop"))) == ["grammar_mismatch"]
+    schema = Plan(0, "generate", {}, max_tokens=40, grammar="json_schema")
+    assert kinds(check_answer(schema, answer('{"ok": true, "level": 3, "tag": "red"}', "stop"))) == []
+    wrong = answer('{"ok": true, "level": 30, "tag": "red"}', "stop")
+    assert kinds(check_answer(schema, wrong)) == ["grammar_mismatch"]
+
+
 def test_a_stop_string_in_the_text_is_caught():
     plan = stream_plan(stops=(" c",))
     chunks = (completion_chunk("a b"), completion_chunk(" c", "stop"), usage_chunk(5, 2), "[DONE]")
@@ -128,9 +140,9 @@ def test_n_choices_need_distinct_indexes():
     assert kinds(check_answer(Plan(0, "chat", {}, max_tokens=8, n=2), whole_answer(body))) == ["choices_wrong"]
 
 
-def generate_output(ids: list[int], completion_tokens: int, finish: str = "length") -> dict:
+def generate_output(ids: list[int], completion_tokens: int, finish: str = "length", text: str | None = None) -> dict:
     meta = {"prompt_tokens": 4, "completion_tokens": completion_tokens, "finish_reason": {"type": finish}}
-    return {"text": "x" * len(ids), "output_ids": ids, "meta_info": meta}
+    return {"text": "x" * len(ids) if text is None else text, "output_ids": ids, "meta_info": meta}
 
 
 def test_generate_counts_its_output_ids():
@@ -217,9 +229,10 @@ def test_seeded_choices_compare_by_seed_plus_index():
 # ---- the mix, /proc and the summary's arithmetic ----------------------------------------------
 
 def mix(seed: int = 1, bad: float = 0.0, disconnect: float = 0.0, prefix: float = 0.0,
-        pool: list[Prompt] | None = None) -> Mix:
+        pool: list[Prompt] | None = None, structured: float = 0.0) -> Mix:
     args = soak.parse_args(["--no-dataset", "--seed", str(seed), "--bad-fraction", str(bad),
-                            "--disconnect-fraction", str(disconnect), "--prefix-fraction", str(prefix)])
+                            "--disconnect-fraction", str(disconnect), "--prefix-fraction", str(prefix),
+                            "--structured-fraction", str(structured)])
     return Mix(args, pool or [Prompt(0, "def f(x):\n", 8), Prompt(1, "import os\n", 16)], "m", 2048)
 
 
@@ -232,6 +245,21 @@ def test_the_mix_repeats_itself_for_a_seed_and_resends_recipes():
     assert len(keys) > 2 * len(set(keys))                   # greedy and seeded requests recur
     assert {p.endpoint for p in plans} == {"completions", "chat", "generate"}
     assert any(p.n > 1 for p in plans) and any(p.stops for p in plans) and any(p.logprobs for p in plans)
+
+
+def test_the_structured_share_asks_each_endpoint_for_a_grammar_and_keeps_stop_strings_out():
+    structured = mix(structured=0.5)
+    plans = [p for p in (structured.plan(i) for i in range(300)) if not p.bad]
+    constrained = [p for p in plans if p.grammar]
+    assert 0.3 < len(constrained) / len(plans) < 0.7
+    assert {p.grammar for p in constrained} == {"json_schema", "regex", "ebnf"}
+    assert {p.endpoint for p in constrained} == {"completions", "chat", "generate"}
+    for plan in constrained:
+        fields = plan.body["sampling_params"] if plan.endpoint == "generate" else plan.body
+        asked = {"json_schema": ("json_schema", "response_format"), "regex": ("regex",), "ebnf": ("ebnf",)}
+        assert any(name in fields for name in asked[plan.grammar]) and not plan.stops and plan.max_tokens == 40
+    plain, none = mix(), mix(structured=0.0)
+    assert [plain.plan(i).body for i in range(50)] == [none.plan(i).body for i in range(50)]
 
 
 def test_bad_and_disconnecting_plans():
@@ -430,10 +458,13 @@ async def test_a_short_soak_against_a_real_server_finds_nothing(tmp_path):
         args = soak.parse_args(["--base-url", server.url, "--num-requests", "60", "--concurrency", "8",
                                 "--disconnect-fraction", "0.2", "--bad-fraction", "0.1", "--bad-kinds", bad_kinds,
                                 "--num-prompts", "6", "--random-input-len", "48", "--random-output-len", "12",
+                                "--structured-fraction", "0.3",
                                 "--disable-tqdm", "--server-pid", str(server.process.pid)])
         summary = await soak.run_soak(args)
     assert summary["violations"] == {"total": 0, "by_kind": {}}, json.dumps(summary["violations"], indent=1)
     assert summary["end_state"]["tandem_kv_slots_used"] == 0
+    by_kind = summary["requests"]["by_kind"]
+    assert sum(c.get("ok", 0) for kind, c in by_kind.items() if kind.endswith("/grammar")) > 5
     outcomes = summary["requests"]["by_outcome"]
     assert outcomes["ok"] > 20 and outcomes["rejected"] > 0 and outcomes["disconnected"] > 0
     assert sum(summary["determinism"]["compared"].values()) > 0
