@@ -1,0 +1,179 @@
+"""The front <-> rank links of ranks on other hosts (--nnodes 2, TCP), through real processes and
+sockets on 127.0.0.1, every wait bounded: a host started with another --quantization or --page-size
+is refused at the handshake, the reason (naming the flag) logged by both hosts, and the running
+group serves on; a remote rank that goes silent (SIGSTOP) is noticed by the heartbeats within their
+bound, its group's requests fail with an error, and once it runs again its host starts it anew and
+the group comes back. In-process: the front's side of a silent rank and of one that only answers
+Pings, with short heartbeats."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import shutil
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+
+from engine.args import parse_args
+from engine.fingerprint import rank_fingerprint
+from engine.messages import RankReady, SamplingParams
+from engine.framing import SILENT_AFTER_INTERVALS
+from engine.rank_entry import RANK_HEARTBEAT_INTERVAL_S
+from server.engine_client import EngineDead
+from server.rank_client import RankEngineClient, remote_rank_address
+from tests.server_harness import MOE, Server, free_port, metric, running_server
+
+SECRET = "shared-by-both-hosts"
+WAIT = 10.0
+SHORT_HEARTBEAT_S = 0.2
+SILENT_S = SILENT_AFTER_INTERVALS * RANK_HEARTBEAT_INTERVAL_S
+COLLECTIVE_TIMEOUT_S = 30.0       # engine/dp.py: without heartbeats, the others' collectives fail only then
+GROUP = ["--model-path", str(MOE), "--chunked-prefill-size", "32", "--speculative-algorithm", "none",
+         "--enable-dp-attention", "--dp-size", "2", "--nnodes", "2", "--rank-secret", SECRET,
+         "--max-rank-restarts", "10"]
+
+
+# ---- in process: the front's side, with short heartbeats ------------------------------------------
+
+@contextlib.asynccontextmanager
+async def front_with_remote_rank(monkeypatch):
+    """A front of a two-host group whose rank 1 (of "another host") is this test, attached as the
+    front's bring_up attaches it; yields (front, the rank's connection)."""
+    from engine.rank_main import connect_front
+    monkeypatch.setattr("server.rank_client.RANK_HEARTBEAT_INTERVAL_S", SHORT_HEARTBEAT_S)
+    args = parse_args([*GROUP, "--dist-init-addr", f"127.0.0.1:{free_port(span=2)}"])
+    front = RankEngineClient(args)
+    await front.listen()
+    link = front.links[1]
+    link.connected = asyncio.get_running_loop().create_future()
+    host, port = remote_rank_address(args)
+    rank = await asyncio.wait_for(connect_front(f"tcp://{host}:{port}", SECRET.encode(), rank_fingerprint(args)), WAIT)
+    try:
+        await rank.send(RankReady(rank=1, kv_total=1024, context_length=512, description="test", dtype="float32"))
+        await asyncio.wait_for(asyncio.shield(link.connected), WAIT)
+        front.attach(link)
+        yield front, rank
+    finally:
+        rank.close("test over")
+        await front.close()
+        shutil.rmtree(front.socket_dir, ignore_errors=True)
+
+
+async def test_a_remote_rank_that_goes_silent_is_taken_down_and_its_requests_fail(monkeypatch, caplog):
+    caplog.set_level("INFO")
+    async with front_with_remote_rank(monkeypatch) as (front, rank):
+        stream = front.generate("r1", [1, 2, 3], SamplingParams(max_new_tokens=4))
+        start = time.monotonic()
+        with pytest.raises(EngineDead, match=r"rank 1 died: connection lost \(PeerSilent: nothing from"):
+            await asyncio.wait_for(stream.__anext__(), WAIT)     # the rank reads nothing: no Pong, no token
+        assert time.monotonic() - start < SILENT_AFTER_INTERVALS * SHORT_HEARTBEAT_S + 2.0
+        assert not front.links[1].alive and front.ranks_up() == 0 and not front.is_healthy()
+
+
+async def test_a_remote_rank_that_answers_pings_stays_up_through_a_long_silence_of_its_own(monkeypatch):
+    """Heartbeats, not traffic, keep a link: a rank busy with a long step sends nothing else."""
+    async with front_with_remote_rank(monkeypatch) as (front, rank):
+        reader = asyncio.create_task(rank.recv())          # answers each Ping inside recv
+        await asyncio.sleep(4 * SILENT_AFTER_INTERVALS * SHORT_HEARTBEAT_S)
+        assert front.links[1].alive and not reader.done()
+        reader.cancel()
+
+
+# ---- real hosts: two launches of run.py, and more for the refused ones -----------------------------
+
+@contextlib.contextmanager
+def two_hosts(tmp_path):
+    """Node 1 (rank 1) and node 0 (the front and rank 0), healthy; yields (node0, node1)."""
+    addr = f"127.0.0.1:{free_port(span=2)}"              # node 0 takes the other hosts' ranks on port + 1
+    node1 = Server([*GROUP, "--dist-init-addr", addr, "--node-rank", "1"], tmp_path / "node1.log")
+    try:
+        with running_server([*GROUP, "--dist-init-addr", addr, "--node-rank", "0"], tmp_path / "node0.log") as node0:
+            node0.addr = addr
+            yield node0, node1
+    finally:
+        node1.stop()
+
+
+def wait_exit(server: Server, timeout: float) -> int:
+    try:
+        return server.process.wait(timeout)
+    except Exception:
+        raise AssertionError(f"still running after {timeout} s:\n{server.log.read_text()[-3000:]}") from None
+
+
+def ranks_up(server: Server) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
+        return metric(response.read().decode(), "tandem_ranks_up")
+
+
+async def generate(session, url: str, max_new_tokens: int) -> int:
+    body = {"text": "def parse(text):\n", "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                                              "ignore_eos": True}}
+    async with session.post(url + "/generate", json=body) as resp:
+        await resp.read()
+        return resp.status
+
+
+@pytest.mark.slow
+async def test_a_host_started_with_other_flags_is_refused_and_the_group_serves_on(tmp_path):
+    cases = {"quantization": (["--quantization", "int8"], "quantization: front none, rank int8"),
+             "page-size": (["--page-size", "16"], "page_size: front 1, rank 16")}
+    with two_hosts(tmp_path) as (node0, _):
+        intruders = {name: Server([*GROUP, "--dist-init-addr", node0.addr, "--node-rank", "1", *flags],
+                                  tmp_path / f"{name}.log") for name, (flags, _) in cases.items()}
+        try:
+            codes = {name: await asyncio.to_thread(wait_exit, server, 120) for name, server in intruders.items()}
+        finally:
+            for server in intruders.values():
+                server.stop()
+        front_log = node0.log.read_text()
+        for name, (_, reason) in cases.items():
+            host_log = intruders[name].log.read_text()
+            assert codes[name] == 1, host_log[-3000:]
+            assert f"the front refused this rank: model fingerprint differs: {reason}" in host_log
+            assert "not starting them again" in host_log
+            assert re.search(rf"refused a rank connection from 127\.0\.0\.1:\d+: .*{re.escape(reason)}", front_log)
+        assert ranks_up(node0) == 2                              # neither took rank 1's place
+        async with aiohttp.ClientSession() as session:
+            assert await generate(session, node0.url, 8) == 200
+
+
+@pytest.mark.slow
+async def test_a_stopped_remote_rank_is_noticed_by_heartbeats_and_the_group_comes_back(tmp_path):
+    with two_hosts(tmp_path) as (node0, node1):
+        [remote] = node1.rank_pids()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=COLLECTIVE_TIMEOUT_S + 30)) as session:
+            jobs = [asyncio.create_task(generate(session, node0.url, 1500)) for _ in range(2)]
+            await asyncio.sleep(2.0)
+            assert not any(job.done() for job in jobs)
+            os.kill(remote, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                statuses = await asyncio.wait_for(asyncio.gather(*jobs), COLLECTIVE_TIMEOUT_S + 20)
+                noticed = time.monotonic() - stopped
+            finally:
+                os.kill(remote, signal.SIGCONT)       # it finds its link and group gone; its host starts it anew
+            assert statuses == [503, 503]
+            died = re.findall(r"rank (\d) died \((.*)\)", node0.log.read_text())
+            assert died[0][0] == "1" and "PeerSilent" in died[0][1], died        # the silent rank is named
+            assert noticed < SILENT_S + 8 < COLLECTIVE_TIMEOUT_S
+            await asyncio.to_thread(wait_group_back, node0, 180)
+            assert await generate(session, node0.url, 8) == 200
+        host_log = node1.log.read_text()
+        ended = re.search(r"a rank ended \(exit code (\d+) \((.*)\)\); starting this host's ranks again", host_log)
+        assert ended and ended.group(1) in ("4", "5"), host_log[-3000:]         # its link, or its group, broke
+
+
+def wait_group_back(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, KeyError):
+            if ranks_up(server) == 2:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the group did not come back in {timeout} s:\n{server.log.read_text()[-4000:]}")
