@@ -5,10 +5,10 @@ Cheap by design, since every rank computes one as it starts: a model is known by
 and a hash of its config.json, never by its weights (hashing gigabytes would slow every start); a
 token map (a list of ids) is hashed whole.
 
-| link            | fingerprint                                  | form                          |
-|-----------------|----------------------------------------------|-------------------------------|
-| front/rank      | rank_fingerprint: the flags of what a rank computes and what its KV means | `name=value` fields |
-| prefill/decode  | server/pd/fingerprint.py: what the ranks resolved as well | a 16-hex digest |
+| link           | what it covers                                                        | form                |
+|----------------|-----------------------------------------------------------------------|---------------------|
+| front/rank     | rank_fingerprint: the model, the flags of what it computes and its KV | `name=value` fields |
+| prefill/decode | server/pd/fingerprint.py: the same, as the ranks resolved it          | a 16-hex digest     |
 
 A fingerprint of `name=value` fields lets a refusal name what differs (`differing_fields`).
 """

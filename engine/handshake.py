@@ -3,13 +3,20 @@
 Both sides send Hello (role, fingerprint, a nonce when a secret is configured), then with a secret a
 Proof (an HMAC of the secret over both nonces: the secret never travels), then Welcome; each sends
 before it waits. Each side checks the other's Hello itself, so on a mismatch both refuse with the
-same reason. The protocol version is in every frame's header, so a peer of another version is
-refused by the framing before its Hello is read.
+same reason, which names the fields that differ where the fingerprints have fields
+(engine/fingerprint.py). The protocol version is in every frame's header, so a peer of another
+version is refused by the framing before its Hello is read. Heartbeats start after the handshake.
 
-| link            | roles             | secret flag     | fingerprint                              |
-|-----------------|-------------------|-----------------|------------------------------------------|
-| prefill/decode  | prefill, decode   | --pd-secret     | the model (server/pd/fingerprint.py)     |
-| front/rank      | front, rank       | --rank-secret   | the rank's flags (engine/fingerprint.py) |
+| link                | roles           | secret flag   | fingerprint                          | heartbeats |
+|---------------------|-----------------|---------------|--------------------------------------|------------|
+| prefill/decode      | prefill, decode | --pd-secret   | a digest (server/pd/fingerprint.py)  | every 5 s  |
+| front/rank over TCP | front, rank     | --rank-secret | fields (engine/fingerprint.py)       | every 5 s  |
+| front/rank, unix    | front, rank     | --rank-secret | the same                             | none       |
+
+After a front/rank handshake the rank loads its model and sends RankReady, whose resolved dtypes
+the front compares with the other ranks' (server/rank_client.py). The TCP links are those of ranks
+on other hosts: their heartbeats start once RankReady is sent (engine/rank_entry.py). Local ranks,
+on a unix socket, are watched through their process instead.
 """
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def resolved_mismatch(ready: RankReady, others: list[RankReady]) -> str | None:
     """What a rank resolved otherwise than the ranks already in (--dtype auto and the draft's auto
     quantization resolve on each host, by its CPU): None when it matches them all."""
     def resolved(r: RankReady) -> dict:
-        return {"dtype": r.dtype, "KV dtype": r.kv_dtype or r.dtype, "draft quantization": r.draft_weights}
+        return {"dtype": r.dtype, "KV dtype": r.kv_dtype or r.dtype, "draft quantization": r.draft_weights or "none"}
     mine = resolved(ready)
     for other in others:
         theirs = resolved(other)

@@ -20,13 +20,13 @@ import aiohttp
 import pytest
 
 from engine.args import parse_args
-from engine.fingerprint import rank_fingerprint
+from engine.fingerprint import differing_fields, rank_fingerprint
 from engine.messages import RankReady, SamplingParams
 from engine.framing import SILENT_AFTER_INTERVALS
 from engine.rank_entry import RANK_HEARTBEAT_INTERVAL_S
 from server.engine_client import EngineDead
-from server.rank_client import RankEngineClient, remote_rank_address
-from tests.server_harness import MOE, Server, free_port, metric, running_server
+from server.rank_client import RankEngineClient, remote_rank_address, resolved_mismatch
+from tests.server_harness import DENSE, MOE, Server, free_port, metric, running_server
 
 SECRET = "shared-by-both-hosts"
 WAIT = 10.0
@@ -36,6 +36,57 @@ COLLECTIVE_TIMEOUT_S = 30.0       # engine/dp.py: without heartbeats, the others
 GROUP = ["--model-path", str(MOE), "--chunked-prefill-size", "32", "--speculative-algorithm", "none",
          "--enable-dp-attention", "--dp-size", "2", "--nnodes", "2", "--rank-secret", SECRET,
          "--max-rank-restarts", "10"]
+
+
+# ---- what the fingerprint covers ----------------------------------------------------------------------
+
+def fields(*flags: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in rank_fingerprint(parse_args(["--speculative-algorithm", "none",
+                                                                           *flags])).split())
+
+
+@pytest.mark.parametrize("flags,field", [
+    (["--quantization", "int8"], "quantization"), (["--dtype", "bfloat16"], "dtype"),
+    (["--page-size", "16"], "page_size"), (["--context-length", "1024"], "context_length"),
+    (["--speculative-algorithm", "ngram"], "speculative"),
+    (["--speculative-algorithm", "eagle", "--speculative-draft-model-path", str(DENSE) + "-eagle3"], "draft"),
+    (["--speculative-algorithm", "eagle", "--speculative-num-steps", "2"], "speculative"),
+    (["--speculative-algorithm", "eagle", "--speculative-draft-quantization", "int8"], "draft_quantization"),
+    (["--dp-size", "2"], "dp_size"), (["--model-path", str(MOE)], "model")])
+def test_the_rank_fingerprint_names_each_flag_that_changes_what_a_rank_computes(flags, field):
+    eagle = ["--speculative-algorithm", "eagle"] if "eagle" in flags else []
+    base = rank_fingerprint(parse_args(["--speculative-algorithm", "none", *eagle]))
+    other = rank_fingerprint(parse_args(["--speculative-algorithm", "none", *flags]))
+    assert [name for name, _, _ in differing_fields(base, other)] == [field]
+
+
+def test_the_rank_fingerprint_leaves_out_what_differs_by_design_and_reads_no_weights(tmp_path, monkeypatch):
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(DENSE, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    opened = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k))
+    assert fields() == fields("--model-path", str(copy), "--cpu-kernels", "torch", "--max-running-requests", "8",
+                              "--chunked-prefill-size", "64", "--disable-radix-cache", "--node-rank", "0")
+    assert opened and not any(path.endswith(".safetensors") for path in opened)      # config.json only
+    assert fields("--quantization", "int8")["quantization"] == "int8" and fields()["dtype"] == "auto"
+
+
+def test_digests_have_no_fields_to_name():
+    assert differing_fields("0123456789abcdef", "fedcba9876543210") == []
+    assert differing_fields("a=1 b=2", "a=1 b=3 c=4") == [("b", "2", "3"), ("c", "-", "4")]
+
+
+def test_a_rank_that_resolved_another_dtype_is_refused_by_the_front():
+    """--dtype auto resolves on each host (by its CPU): the front compares what each RankReady says."""
+    def ready(rank: int, dtype: str = "float32", **changes) -> RankReady:
+        return RankReady(rank=rank, kv_total=1, context_length=1, description="", dtype=dtype, **changes)
+    assert resolved_mismatch(ready(1), [ready(0)]) is None
+    assert resolved_mismatch(ready(1, kv_dtype="float32"), [ready(0)]) is None       # "": as the dtype
+    reason = resolved_mismatch(ready(1, "bfloat16"), [ready(0)])
+    assert "dtype: rank 0 float32, rank 1 bfloat16" in reason and "KV dtype: rank 0 float32, rank 1 bfloat16" in reason
+    reason = resolved_mismatch(ready(1), [ready(0, draft_weights="int8")])
+    assert reason.endswith("draft quantization: rank 0 int8, rank 1 none")
 
 
 # ---- in process: the front's side, with short heartbeats ------------------------------------------
