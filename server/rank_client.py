@@ -164,15 +164,16 @@ class RankEngineClient(EngineClient):
             return
         reason = resolved_mismatch(ready, self.readies_besides(link))
         if reason:
-            log.warning("refused rank %d from %s: %s", ready.rank, channel.peer, reason)
             channel.refuse(reason)
+            # its host would resolve the same again: bring_up fails now rather than wait for another
+            link.connected.set_exception(RuntimeError(f"rank {ready.rank} was refused: {reason}"))
             return
         link.connected.set_result((channel, ready))
 
     def readies_besides(self, link: RankLink) -> list[RankReady]:
         """The RankReady of every other rank connected now (attached or about to be)."""
-        connected = [other.connected.result() for other in self.links
-                     if other is not link and other.connected is not None and other.connected.done()]
+        connected = [other.connected.result() for other in self.links if other is not link and
+                     other.connected is not None and other.connected.done() and not other.connected.exception()]
         return [ready for channel, ready in connected if not channel.closed]
 
     async def bring_up(self, link: RankLink) -> None:
@@ -356,8 +357,8 @@ class RankEngineClient(EngineClient):
                 elif isinstance(msg, RequestFailed):
                     queue.put_nowait(EngineFailed(msg.message))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            self.rank_died(link, f"connection lost ({type(exc).__name__}: {exc})" if str(exc) else
-                           f"connection lost ({type(exc).__name__})")
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self.rank_died(link, f"connection lost ({why})")
 
     def rank_report(self, link: RankLink, msg: RankStats | CacheFlushed) -> None:
         if isinstance(msg, RankStats):

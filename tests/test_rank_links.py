@@ -15,6 +15,7 @@ import signal
 import shutil
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -22,7 +23,7 @@ import pytest
 from engine.args import parse_args
 from engine.fingerprint import differing_fields, rank_fingerprint
 from engine.messages import RankReady, SamplingParams
-from engine.framing import SILENT_AFTER_INTERVALS
+from engine.framing import SILENT_AFTER_INTERVALS, Refusal
 from engine.rank_entry import RANK_HEARTBEAT_INTERVAL_S
 from server.engine_client import EngineDead
 from server.rank_client import RankEngineClient, remote_rank_address, resolved_mismatch
@@ -77,10 +78,11 @@ def test_digests_have_no_fields_to_name():
     assert differing_fields("a=1 b=2", "a=1 b=3 c=4") == [("b", "2", "3"), ("c", "-", "4")]
 
 
-def test_a_rank_that_resolved_another_dtype_is_refused_by_the_front():
-    """--dtype auto resolves on each host (by its CPU): the front compares what each RankReady says."""
-    def ready(rank: int, dtype: str = "float32", **changes) -> RankReady:
-        return RankReady(rank=rank, kv_total=1, context_length=1, description="", dtype=dtype, **changes)
+def ready(rank: int, dtype: str = "float32", **changes) -> RankReady:
+    return RankReady(rank=rank, kv_total=1024, context_length=512, description="test", dtype=dtype, **changes)
+
+
+def test_what_ranks_resolved_is_compared_dtype_kv_dtype_and_draft_quantization():
     assert resolved_mismatch(ready(1), [ready(0)]) is None
     assert resolved_mismatch(ready(1, kv_dtype="float32"), [ready(0)]) is None       # "": as the dtype
     reason = resolved_mismatch(ready(1, "bfloat16"), [ready(0)])
@@ -92,27 +94,54 @@ def test_a_rank_that_resolved_another_dtype_is_refused_by_the_front():
 # ---- in process: the front's side, with short heartbeats ------------------------------------------
 
 @contextlib.asynccontextmanager
-async def front_with_remote_rank(monkeypatch):
-    """A front of a two-host group whose rank 1 (of "another host") is this test, attached as the
-    front's bring_up attaches it; yields (front, the rank's connection)."""
+async def front_of_two_hosts(monkeypatch):
+    """A front of a two-host group (its own rank 0 not started), with short heartbeats; yields it and a
+    coroutine function that connects as its rank 1, of "another host", the way rank_main does."""
     from engine.rank_main import connect_front
     monkeypatch.setattr("server.rank_client.RANK_HEARTBEAT_INTERVAL_S", SHORT_HEARTBEAT_S)
     args = parse_args([*GROUP, "--dist-init-addr", f"127.0.0.1:{free_port(span=2)}"])
     front = RankEngineClient(args)
     await front.listen()
-    link = front.links[1]
-    link.connected = asyncio.get_running_loop().create_future()
-    host, port = remote_rank_address(args)
-    rank = await asyncio.wait_for(connect_front(f"tcp://{host}:{port}", SECRET.encode(), rank_fingerprint(args)), WAIT)
+    address = "tcp://%s:%d" % remote_rank_address(args)
     try:
-        await rank.send(RankReady(rank=1, kv_total=1024, context_length=512, description="test", dtype="float32"))
-        await asyncio.wait_for(asyncio.shield(link.connected), WAIT)
-        front.attach(link)
-        yield front, rank
+        yield front, lambda: asyncio.wait_for(connect_front(address, SECRET.encode(), rank_fingerprint(args)), WAIT)
     finally:
-        rank.close("test over")
         await front.close()
         shutil.rmtree(front.socket_dir, ignore_errors=True)
+
+
+async def test_a_rank_that_resolved_another_dtype_is_refused_and_its_start_fails(monkeypatch):
+    """--dtype auto resolves on each host (by its CPU): the front compares what each RankReady says
+    with the ranks already in, and refuses the odd one with the reason on both sides."""
+    async with front_of_two_hosts(monkeypatch) as (front, connect):
+        loop = asyncio.get_running_loop()
+        front.links[0].connected = loop.create_future()
+        front.links[0].connected.set_result((SimpleNamespace(closed=False), ready(0, "float32")))
+        front.links[1].connected = loop.create_future()
+        rank = await connect()
+        await rank.send(ready(1, "bfloat16"))
+        with pytest.raises(Refusal, match="dtype: rank 0 float32, rank 1 bfloat16"):
+            await asyncio.wait_for(rank.recv(), WAIT)
+        with pytest.raises(RuntimeError, match="rank 1 was refused: .*KV dtype: rank 0 float32, rank 1 bfloat16"):
+            await asyncio.wait_for(front.links[1].connected, WAIT)            # what bring_up awaits
+        assert front.ranks_up() == 0
+
+
+@contextlib.asynccontextmanager
+async def front_with_remote_rank(monkeypatch):
+    """A front of two hosts whose rank 1 is this test, attached as the front's bring_up attaches it;
+    yields (front, the rank's connection)."""
+    async with front_of_two_hosts(monkeypatch) as (front, connect):
+        link = front.links[1]
+        link.connected = asyncio.get_running_loop().create_future()
+        rank = await connect()
+        try:
+            await rank.send(ready(1))
+            await asyncio.wait_for(asyncio.shield(link.connected), WAIT)
+            front.attach(link)
+            yield front, rank
+        finally:
+            rank.close("test over")
 
 
 async def test_a_remote_rank_that_goes_silent_is_taken_down_and_its_requests_fail(monkeypatch, caplog):
