@@ -16,10 +16,11 @@ EXIT_MEANINGS = {EXIT_ENGINE_BROKEN: "its steps kept failing", EXIT_GROUP_BROKEN
 # socket, are supervised by their process instead): a peer silent for three of them (15 s) is gone.
 # Below the DP group's collective timeout (engine/dp.py, 30 s), so that the front names the silent
 # rank before the others fail with a broken group. A long device step does not silence a rank: its
-# Pings are answered by the reader task on its loop, which a step never holds (the CPU stream runs
-# in a worker thread, accelerator launches return at once and their events are awaited from a
-# helper thread, the group's per-step exchange runs in a thread). Heartbeats start once RankReady
-# is sent, after the model load and graph capture that do hold the loop.
+# Pings are answered by the reader task on its loop, which a step does not hold (the CPU stream runs
+# in a worker thread; accelerator launches are queued, a full launch queue holding the loop for
+# less than the step, and their events are awaited from a helper thread; the group's per-step
+# exchange runs in a thread). Heartbeats start once RankReady is sent, after the model load and
+# graph capture that do hold the loop.
 RANK_HEARTBEAT_INTERVAL_S = 5.0
 
 

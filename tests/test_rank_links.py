@@ -164,6 +164,45 @@ async def test_a_remote_rank_that_answers_pings_stays_up_through_a_long_silence_
         reader.cancel()
 
 
+async def test_a_rank_answers_pings_while_its_cpu_stream_runs_a_long_step():
+    """The heartbeat interval rests on this: a launched step runs in the CPU stream's thread, and the
+    rank's loop, whose reader answers Pings, stays free (torch releases the GIL inside its ops). The
+    front's side here pings every 0.5 s and gives up after 1.5 s of silence; the step takes 3 s."""
+    import socket
+
+    import torch
+
+    from devices.cpu import CpuDevice
+    from engine.framing import Connection
+    from engine.messages import FromRank, ToRank
+
+    def long_step(seconds: float = 3.0) -> None:
+        x, start = torch.randn(256, 256), time.perf_counter()
+        while time.perf_counter() - start < seconds:     # many short ops: the GIL changes hands between them
+            x = torch.tanh(x @ x)
+
+    front_sock, rank_sock = socket.socketpair()
+    front = Connection(*await asyncio.open_connection(sock=front_sock), FromRank, kind="rank", heartbeat_interval=0.5)
+    rank = Connection(*await asyncio.open_connection(sock=rank_sock), ToRank, kind="rank")
+    device = CpuDevice()
+    tasks = [asyncio.create_task(front.keepalive()), asyncio.create_task(rank.recv())]
+    front_reader = asyncio.create_task(front.recv())       # PeerSilent once no Pong comes for 1.5 s
+    try:
+        launched, ticks = device.launch(long_step), [time.monotonic()]
+        while not launched.future.done():
+            await asyncio.sleep(0.05)
+            ticks.append(time.monotonic())
+        await launched.future
+        assert len(ticks) > 20 and max(b - a for a, b in zip(ticks, ticks[1:])) < 1.0       # the loop ran all along
+        assert not front_reader.done()            # and the front never waited 1.5 s for a Pong
+    finally:
+        for task in [*tasks, front_reader]:
+            task.cancel()
+        device.close()
+        front.close("test over")
+        rank.close("test over")
+
+
 # ---- real hosts: two launches of run.py, and more for the refused ones -----------------------------
 
 @contextlib.contextmanager
