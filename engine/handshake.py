@@ -3,13 +3,20 @@
 Both sides send Hello (role, fingerprint, a nonce when a secret is configured), then with a secret a
 Proof (an HMAC of the secret over both nonces: the secret never travels), then Welcome; each sends
 before it waits. Each side checks the other's Hello itself, so on a mismatch both refuse with the
-same reason. The protocol version is in every frame's header, so a peer of another version is
-refused by the framing before its Hello is read.
+same reason, which names the fields that differ where the fingerprints have fields
+(engine/fingerprint.py). The protocol version is in every frame's header, so a peer of another
+version is refused by the framing before its Hello is read. Heartbeats start after the handshake.
 
-| link            | roles             | secret flag     | fingerprint                           |
-|-----------------|-------------------|-----------------|---------------------------------------|
-| prefill/decode  | prefill, decode   | --pd-secret     | the model (server/pd/fingerprint.py)  |
-| front/rank      | front, rank       | --rank-secret   | none ("")                             |
+| link                | roles           | secret flag   | fingerprint                          | heartbeats |
+|---------------------|-----------------|---------------|--------------------------------------|------------|
+| prefill/decode      | prefill, decode | --pd-secret   | a digest (server/pd/fingerprint.py)  | every 5 s  |
+| front/rank over TCP | front, rank     | --rank-secret | fields (engine/fingerprint.py)       | every 5 s  |
+| front/rank, unix    | front, rank     | --rank-secret | the same                             | none       |
+
+After a front/rank handshake the rank loads its model and sends RankReady, whose resolved dtypes
+the front compares with the other ranks' (server/rank_client.py). The TCP links are those of ranks
+on other hosts: their heartbeats start once RankReady is sent (engine/rank_entry.py). Local ranks,
+on a unix socket, are watched through their process instead.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from engine.fingerprint import differing_fields
 from engine.framing import PROTOCOL_VERSION, Connection, Hello, Proof, Refusal, Welcome
 
 NONCE_BYTES = 32
@@ -83,15 +91,25 @@ def hello_mismatch(role: str, fingerprint: str, has_secret: bool, peer: Hello) -
     if peer.role != OPPOSITE_ROLE[role]:
         return f"roles do not pair: a {role} side needs a {OPPOSITE_ROLE[role]} peer, got {peer.role!r}"
     if peer.fingerprint != fingerprint:
-        serves = {role: _short(fingerprint), peer.role: _short(peer.fingerprint)}
-        first, second = sorted(serves, key=lambda name: name not in ("prefill", "front"))
-        return f"model fingerprint differs: {first} serves {serves[first]}, {second} {serves[second]}"
+        return fingerprint_mismatch(role, fingerprint, peer)
     if has_secret != bool(peer.nonce):
         holder, other = (role, peer.role) if has_secret else (peer.role, role)
         return f"no secret: the {holder} side has a {SECRET_FLAG[role]}, the {other} side has none"
     if has_secret and len(peer.nonce) < NONCE_BYTES // 2:
         return f"the {peer.role} side's nonce is too short ({len(peer.nonce)} bytes)"
     return None
+
+
+def fingerprint_mismatch(role: str, fingerprint: str, peer: Hello) -> str:
+    """The same words on both sides, the prefill / front side first: the fields that differ where the
+    fingerprints have fields, else both digests."""
+    serves = {role: fingerprint, peer.role: peer.fingerprint}
+    first, second = sorted(serves, key=lambda name: name not in ("prefill", "front"))
+    differing = differing_fields(serves[first], serves[second])
+    if differing:
+        return "model fingerprint differs: " + "; ".join(f"{name}: {first} {ours}, {second} {theirs}"
+                                                         for name, ours, theirs in differing)
+    return f"model fingerprint differs: {first} serves {_short(serves[first])}, {second} {_short(serves[second])}"
 
 
 def proof_mac(secret: bytes, role: str, own_nonce: bytes, peer_nonce: bytes) -> bytes:

@@ -90,6 +90,7 @@ class Rank:
         self.inbox: list = []
         self.wake = asyncio.Event()
         self.stopping = False
+        self.front_lost: Exception | None = None      # the link to the front broke before a Shutdown
         self.generated = 0
         self.spec_stats = speculation_stats(self.runner.spec_tokens)
         compiler = GrammarCompiler(args.tokenizer, self.runner.vocab_size, self.scheduler.eos_ids)
@@ -101,8 +102,9 @@ class Rank:
     # ---- the loop ------------------------------------------------------------------
 
     async def run(self) -> None:
-        reader = asyncio.create_task(self.read_front())
-        exporter = asyncio.create_task(self.exporter.run())
+        tasks = [asyncio.create_task(self.read_front()), asyncio.create_task(self.exporter.run())]
+        if self.channel.heartbeat_interval is not None:         # a rank of another host, over TCP
+            tasks.append(asyncio.create_task(self.channel.keepalive()))
         try:
             while not self.done():
                 self.take_inbox()
@@ -116,9 +118,12 @@ class Rank:
                     await self.idle(STATS_INTERVAL)
             self.send_news(await self.core.close())
             await self.channel.writer.drain()
+        except ConnectionError as exc:          # a send to a front that is gone: nobody is left to serve
+            log.warning("rank %d: cannot reach the front (%s: %s); stopping", self.rank, type(exc).__name__, exc)
+            self.front_lost = self.front_lost or exc
         finally:
-            reader.cancel()
-            exporter.cancel()
+            for task in tasks:
+                task.cancel()
             self.intake.close()
             self.tracer.close()
 
@@ -168,7 +173,9 @@ class Rank:
                 self.inbox.append(msg)       # NOTE: not `self.inbox.append(await ...)`: take_inbox swaps the list
                 self.wake.set()
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            log.warning("rank %d: front connection closed (%s); stopping", self.rank, type(exc).__name__)
+            log.warning("rank %d: front connection closed (%s: %s); stopping", self.rank, type(exc).__name__, exc)
+            if not self.stopping and not any(isinstance(msg, Shutdown) for msg in self.inbox):
+                self.front_lost = exc           # not told to stop: the rank exits non-zero (rank_main.py)
             self.inbox.append(Shutdown())
             self.wake.set()
 

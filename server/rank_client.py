@@ -1,16 +1,22 @@
 """The front's side of the rank processes: spawn them, talk to them over unix sockets, route
 each request's deltas to its stream, and supervise them.
 
-Supervision: when a rank process dies (an exception, SIGKILL, the OOM killer) its in-flight
-requests fail at once, its gauges leave /metrics, and a new process is started that loads the
-model again and rejoins. More than --max-rank-restarts deaths within RESTART_WINDOW_S make the
-front give up (`gave_up` is set): the server then exits non-zero so that its own supervisor
-(systemd, Kubernetes) takes over.
+Supervision: when a rank process dies (an exception, SIGKILL, the OOM killer), or the link of a rank
+of another host breaks or goes silent (heartbeats: engine/rank_entry.py), its in-flight requests fail
+at once, its gauges leave /metrics, and a new process is started that loads the model again and
+rejoins (a rank of another host: its host starts it). More than --max-rank-restarts deaths within
+RESTART_WINDOW_S make the front give up (`gave_up` is set): the server then exits non-zero so that
+its own supervisor (systemd, Kubernetes) takes over.
+
+Every rank's handshake compares its fingerprint with the front's (engine/fingerprint.py: the model
+and the flags of what it computes), and its RankReady what it resolved with the other ranks'; a rank
+that differs is refused with the reason logged on both sides, and never counts as up.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing as mp
@@ -23,12 +29,13 @@ from collections import deque
 from typing import AsyncIterator
 
 from engine.args import ServerArgs
+from engine.fingerprint import rank_fingerprint
 from engine.framing import Connection
 from engine.handshake import handshake, load_secret
 from engine.messages import (AbortRequest, AddRequest, CacheFlushed, FlushCache, FromRank, KvLayer, PrefillDone,
                              PrefillReserved, RankReady, RankStats, RequestFailed, RequestRejected, SamplingParams,
                              Shutdown, TokenDelta, Wake)
-from engine.rank_entry import rank_process
+from engine.rank_entry import EXIT_MEANINGS, RANK_HEARTBEAT_INTERVAL_S, rank_process
 from server import prefix_router
 from server.engine_client import EngineClient, EngineDead, EngineFailed, EngineRejected
 
@@ -75,7 +82,23 @@ def describe_exit(code: int | None) -> str:
         return "still running"
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
+    return f"exit code {code}" + (f" ({EXIT_MEANINGS[code]})" if code in EXIT_MEANINGS else "")
+
+
+def resolved_mismatch(ready: RankReady, others: list[RankReady]) -> str | None:
+    """What a rank resolved otherwise than the ranks already in (--dtype auto and the draft's auto
+    quantization resolve on each host, by its CPU): None when it matches them all."""
+    def resolved(r: RankReady) -> dict:
+        return {"dtype": r.dtype, "KV dtype": r.kv_dtype or r.dtype, "draft quantization": r.draft_weights or "none"}
+    mine = resolved(ready)
+    for other in others:
+        theirs = resolved(other)
+        differing = [f"{name}: rank {other.rank} {theirs[name]}, rank {ready.rank} {mine[name]}"
+                     for name in mine if mine[name] != theirs[name]]
+        if differing:
+            return "the ranks resolved their flags otherwise (pin --dtype and --speculative-draft-quantization " \
+                   "on every host): " + "; ".join(differing)
+    return None
 
 
 class RankEngineClient(EngineClient):
@@ -84,6 +107,7 @@ class RankEngineClient(EngineClient):
         self.links = [RankLink(rank) for rank in range(args.dp_size)]
         self.rank_args = self.with_group_address(args)          # what the rank processes are started with
         self.rank_secret = load_secret(args.rank_secret, "--rank-secret")
+        self.fingerprint = rank_fingerprint(args)       # what every rank must serve alike (engine/fingerprint.py)
         self.streams: dict[str, asyncio.Queue] = {}
         self.owner: dict[str, RankLink] = {}
         self.round_robin = itertools.count()
@@ -111,21 +135,25 @@ class RankEngineClient(EngineClient):
 
     async def listen(self) -> None:
         """Open the rank socket (and with --nnodes > 1 the rank port for the other hosts' ranks)."""
+        log.info("ranks must serve: %s", self.fingerprint)
         self.server = await asyncio.start_unix_server(self.on_connect, path=self.socket_path)
-        if self.args.nnodes > 1:                  # ranks on the other hosts connect over TCP
+        if self.args.nnodes > 1:                  # ranks on the other hosts connect over TCP, with heartbeats
             host, port = remote_rank_address(self.args)
-            self.remote_server = await asyncio.start_server(self.on_connect, host, port)
+            on_remote = functools.partial(self.on_connect, heartbeat=RANK_HEARTBEAT_INTERVAL_S)
+            self.remote_server = await asyncio.start_server(on_remote, host, port)
 
     def is_local(self, link: RankLink) -> bool:
         """This host runs the rank's process (--nnodes > 1: the others run theirs)."""
         return link.rank < self.args.dp_size // self.args.nnodes
 
-    async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A rank process connected: after the handshake, its first frame says which rank it is."""
-        channel = Connection(reader, writer, FromRank, kind="rank")
+    async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         heartbeat: float | None = None) -> None:
+        """A rank process connected: after the handshake, its first frame says which rank it is.
+        heartbeat: the interval of a TCP link's heartbeats (they start once the rank is attached)."""
+        channel = Connection(reader, writer, FromRank, kind="rank", heartbeat_interval=heartbeat)
         try:
-            await handshake(channel, "front", "", self.rank_secret, HANDSHAKE_TIMEOUT_S)
-            ready = await asyncio.wait_for(channel.recv(), START_TIMEOUT)
+            await handshake(channel, "front", self.fingerprint, self.rank_secret, HANDSHAKE_TIMEOUT_S)
+            ready = await channel.recv(timeout=START_TIMEOUT)        # it loads its model meanwhile
         except (asyncio.TimeoutError, ConnectionError) as exc:
             log.warning("refused a rank connection from %s: %s", channel.peer, exc or type(exc).__name__)
             channel.close(f"refused: {exc or type(exc).__name__}", abort=True)
@@ -134,7 +162,19 @@ class RankEngineClient(EngineClient):
         if link is None or link.connected is None or link.connected.done():
             channel.refuse(f"unexpected first message on the rank socket: {type(ready).__name__}")
             return
+        reason = resolved_mismatch(ready, self.readies_besides(link))
+        if reason:
+            channel.refuse(reason)
+            # its host would resolve the same again: bring_up fails now rather than wait for another
+            link.connected.set_exception(RuntimeError(f"rank {ready.rank} was refused: {reason}"))
+            return
         link.connected.set_result((channel, ready))
+
+    def readies_besides(self, link: RankLink) -> list[RankReady]:
+        """The RankReady of every other rank connected now (attached or about to be)."""
+        connected = [other.connected.result() for other in self.links if other is not link and
+                     other.connected is not None and other.connected.done() and not other.connected.exception()]
+        return [ready for channel, ready in connected if not channel.closed]
 
     async def bring_up(self, link: RankLink) -> None:
         """Start the rank's process and wait until its model is loaded and it is connected (a rank of
@@ -167,6 +207,8 @@ class RankEngineClient(EngineClient):
         link.alive = True
         link.prefixes.clear()             # a new process: its cache starts empty
         link.tasks = [asyncio.create_task(self.read_rank(link))]
+        if link.channel.heartbeat_interval is not None:
+            link.tasks.append(asyncio.create_task(link.channel.keepalive()))
         if link.process is not None and self.is_local(link):
             link.tasks.append(asyncio.create_task(self.watch_process(link)))
 
@@ -315,7 +357,8 @@ class RankEngineClient(EngineClient):
                 elif isinstance(msg, RequestFailed):
                     queue.put_nowait(EngineFailed(msg.message))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            self.rank_died(link, f"connection lost ({type(exc).__name__})")
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self.rank_died(link, f"connection lost ({why})")
 
     def rank_report(self, link: RankLink, msg: RankStats | CacheFlushed) -> None:
         if isinstance(msg, RankStats):

@@ -4,7 +4,9 @@ of the group's ranks, which connect to node 0's front over TCP, and no HTTP fron
 If one of its ranks dies the group is broken: the others end too (GroupBroken), node 0's front
 restarts its own ranks, and this host starts its share again, as often as --max-rank-restarts
 allows within 10 minutes; beyond that it exits non-zero for its supervisor to take over. A rank
-that ends with code 0 was told to stop (the front shut down): then this host stops too.
+that ends with code 0 was told to stop (the front shut down): then this host stops too. A rank the
+front refused (its model or flags differ from node 0's, the reason is in both logs) is not started
+again either: this host exits non-zero at once.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import multiprocessing as mp
 import signal
 
 from engine.args import ServerArgs
-from engine.rank_entry import rank_process
+from engine.rank_entry import EXIT_REFUSED, rank_process
 from server.rank_client import RESTART_WINDOW_S, describe_exit, remote_rank_address
 
 log = logging.getLogger("tandem")
@@ -38,6 +40,10 @@ async def serve_remote_ranks(args: ServerArgs) -> int:
         end(processes)
         if code is None or code == 0:
             return 0
+        if code == EXIT_REFUSED:
+            log.error("node %d: node 0's front refused this host's ranks (see the reason above); not "
+                      "starting them again", args.node_rank)
+            return 1
         now = loop.time()
         deaths = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
         if len(deaths) > args.max_rank_restarts:

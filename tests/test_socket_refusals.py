@@ -24,7 +24,7 @@ from engine.handshake import handshake, load_secret
 from engine.messages import ToRank
 from server.pd.messages import ToDecode
 from server.pd.prefill_server import PrefillServer
-from server.rank_client import RankEngineClient
+from server.rank_client import RankEngineClient, remote_rank_address
 
 WAIT = 10.0
 SECRET = "the-right-secret"
@@ -61,7 +61,8 @@ async def rank_listener(args, connect):
     client = RankEngineClient(args)
     await client.listen()
     try:
-        yield Listener(lambda: connect(client), "rank", "", ToRank, "rank", "refused a rank connection from")
+        yield Listener(lambda: connect(client), "rank", client.fingerprint, ToRank, "rank",
+                       "refused a rank connection from")
     finally:
         for server in (client.server, client.remote_server):
             if server is not None:
@@ -181,10 +182,47 @@ async def test_a_rank_started_with_another_secret_cannot_join(secret, reason):
     await client.listen()
     try:
         with pytest.raises(Refusal, match=reason):
-            await asyncio.wait_for(connect_front(client.socket_path, secret), WAIT)
-        conn = await asyncio.wait_for(connect_front(client.socket_path, SECRET.encode()), WAIT)
+            await asyncio.wait_for(connect_front(client.socket_path, secret, client.fingerprint), WAIT)
+        conn = await asyncio.wait_for(connect_front(client.socket_path, SECRET.encode(), client.fingerprint), WAIT)
         assert not conn.closed
         conn.close("test over")
     finally:
         client.server.close()
+        shutil.rmtree(client.socket_dir, ignore_errors=True)
+
+
+RANK_LINKS = {"rank-socket": (["--speculative-algorithm", "none"], lambda client: client.socket_path),
+              "rank-port": (["--model-path", MOE, "--enable-dp-attention", "--dp-size", "2", "--nnodes", "2"],
+                            lambda client: "tcp://%s:%d" % remote_rank_address(client.args))}
+
+
+@pytest.mark.parametrize("flag,value,expected", [("--quantization", "int8", "quantization: front none, rank int8"),
+                                                 ("--page-size", "16", "page_size: front 1, rank 16")],
+                         ids=["quantization", "page-size"])
+@pytest.mark.parametrize("link", RANK_LINKS)
+async def test_a_rank_started_with_other_flags_is_refused_naming_what_differs(link, flag, value, expected, caplog):
+    """Both sides compute the fingerprint from their own flags (engine/fingerprint.py); each refuses
+    the other with the same reason, which names the flag that differs. A TCP link runs heartbeats."""
+    from engine.fingerprint import rank_fingerprint
+    from engine.rank_entry import RANK_HEARTBEAT_INTERVAL_S
+    from engine.rank_main import connect_front
+    caplog.set_level("INFO")
+    common, address = RANK_LINKS[link]
+    if link == "rank-port":
+        common = [*common, "--dist-init-addr", f"127.0.0.1:{free_port_pair()}"]
+    client = RankEngineClient(parse_args([*common, "--rank-secret", SECRET]))
+    other = rank_fingerprint(parse_args([*common, "--rank-secret", SECRET, flag, value]))
+    await client.listen()
+    try:
+        with pytest.raises(Refusal, match=expected):
+            await asyncio.wait_for(connect_front(address(client), SECRET.encode(), other), WAIT)
+        listener = Listener(None, "rank", client.fingerprint, ToRank, "rank", "refused a rank connection from")
+        await logged(caplog, listener, expected)
+        conn = await asyncio.wait_for(connect_front(address(client), SECRET.encode(), client.fingerprint), WAIT)
+        assert conn.heartbeat_interval == (RANK_HEARTBEAT_INTERVAL_S if link == "rank-port" else None)
+        conn.close("test over")
+    finally:
+        for server in (client.server, client.remote_server):
+            if server is not None:
+                server.close()
         shutil.rmtree(client.socket_dir, ignore_errors=True)

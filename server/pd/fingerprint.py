@@ -15,23 +15,17 @@ torch kernels compute the same function; the context length; the scheduler's fla
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 
-FINGERPRINT_HEX_CHARS = 16
-# keys that record how a config was written, not what the model computes: a re-saved copy of the
-# same model must still pair
-UNHASHED_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
-NO_SPECULATION = ("", "none")
+from engine.fingerprint import NO_SPECULATION, digest, file_sha256, model_identity
+
 log = logging.getLogger("tandem.pd")
 
 
 def model_fingerprint(*identity, **options) -> str:
     """A short sha256 hex digest of the canonical JSON of what both nodes must share (the arguments
     of fingerprint_fields)."""
-    return _digest(fingerprint_fields(*identity, **options))
+    return digest(fingerprint_fields(*identity, **options))
 
 
 def node_fingerprint(args, readies: list) -> str:
@@ -57,7 +51,7 @@ def describe(*identity, **options) -> str:
         text += f", {spec['algorithm']} x{spec['num_steps']}"
     if fields["draft"]:
         text += f" with {fields['draft']['architecture']}"
-    return f"{text} (fingerprint {_digest(fields)})"
+    return f"{text} (fingerprint {digest(fields)})"
 
 
 def fingerprint_fields(model_path: str, dtype_name: str, page_size: int, spec_algorithm: str | None,
@@ -86,35 +80,3 @@ def fingerprint_fields(model_path: str, dtype_name: str, page_size: int, spec_al
 
 def draft_identity(draft_model_path: str, draft_quantization: str | None) -> dict:
     return {**model_identity(draft_model_path), "quantization": draft_quantization or "none"}
-
-
-def file_sha256(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError as exc:
-        raise ValueError(f"model fingerprint: cannot read {path}: {exc.strerror}") from exc
-
-
-def model_identity(model_path: str) -> dict:
-    """A model folder's architecture and a hash of its config.json (canonical, so formatting does not count)."""
-    config_path = os.path.join(model_path, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"model fingerprint: cannot read {config_path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"model fingerprint: {config_path} is not a JSON object")
-    hashed = {key: value for key, value in config.items() if key not in UNHASHED_CONFIG_KEYS}
-    architectures = config.get("architectures") or [config.get("model_type", "unknown")]
-    return {"architecture": "+".join(map(str, architectures)),
-            "config_sha256": hashlib.sha256(_canonical_json(hashed)).hexdigest()}
-
-
-def _digest(fields: dict) -> str:
-    return hashlib.sha256(_canonical_json(fields)).hexdigest()[:FINGERPRINT_HEX_CHARS]
-
-
-def _canonical_json(value) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
