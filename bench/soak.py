@@ -3,11 +3,14 @@
     python bench/soak.py --port 30000 --num-requests 2000 --concurrency 16 \\
         --disconnect-fraction 0.2 --bad-fraction 0.05 --output-file soak.json
     python bench/soak.py --port 30000 --duration 30 --kill-rank-every 500     # a --dp-size 2 server
+    python bench/soak.py --port 30000 --prefix-fraction 0.6      # most prompts share long prefixes
 
 Requests mix /v1/completions, /v1/chat/completions and /generate, streamed or whole, with
 greedy, temperature, top-p and seeded sampling, n > 1, stop strings and logprobs; some
-clients hang up mid-stream and some send bad requests. Every answer is checked
-(bench/soak_checks.py); at the end the server must have freed every KV slot, and its
+clients hang up mid-stream and some send bad requests; --prefix-fraction of the good ones
+start with a few shared system prompts (bench/soak_mix.py). Every answer is checked
+(bench/soak_checks.py); during the run and at its end the KV pool's pages must add up
+(bench/soak_pages.py); at the end the server must have freed every KV slot, and its
 resident memory must not have grown by more than --max-rss-growth percent. Prints a JSON
 summary (also written to --output-file); exits 1 on any violation, 2 on bad arguments.
 """
@@ -32,6 +35,7 @@ if __package__ in (None, ""):           # run as a script: make `bench` importab
 from bench import serving
 from bench.soak_checks import Answer, Determinism, Plan, check_answer
 from bench.soak_mix import BAD_REQUESTS, PATHS, Mix, prompt_pool
+from bench.soak_pages import PageWatch
 from bench.soak_report import KillEvent, Tally, rss_growth, summarize
 from bench.soak_server import (RssSample, alive, parse_gauges, pid_listening_on, rank_pids, sample_gauges,
                                sample_proc, started)
@@ -124,6 +128,7 @@ class Soak:
     def __init__(self, args, probe: Probe, mix: Mix, server_pid: int | None):
         self.args, self.probe, self.mix, self.server_pid = args, probe, mix, server_pid
         self.tally, self.determinism = Tally(), Determinism()
+        self.pages = PageWatch(self.tally)
         self.t0 = time.monotonic()
         self.issued = self.done = 0
         self.stop_reason: str | None = None
@@ -137,6 +142,7 @@ class Soak:
         self.rss_every = min(1000, math.ceil(args.num_requests / RSS_SAMPLES)) if args.num_requests else None
         self.next_rss_s = (args.duration or 0) * 60 / RSS_SAMPLES
         self.end_state: dict = {}
+        self.last_gauges: dict[str, float] | None = None    # the drained server's (wait_drained)
         from tqdm import tqdm
         self.bar = tqdm(total=args.num_requests, desc="soak", unit="req", file=sys.stderr, disable=args.disable_tqdm)
 
@@ -201,6 +207,7 @@ class Soak:
             self.stop(EXIT_HINT)
 
     async def run(self) -> None:
+        self.pages.begin(await self.probe.gauges())
         await asyncio.gather(*(self.worker() for _ in range(self.args.concurrency)))
         if self.kill_task is not None:
             await self.kill_task
@@ -212,6 +219,8 @@ class Soak:
             self.end_state = {"not_measured": self.stop_reason}
             return
         self.end_state = await self.wait_drained()
+        drained = self.end_state["drained_after_s"] is not None
+        self.pages.check(self.last_gauges, "once drained" if drained else "at the end", drained=drained)
         await self.sample_rss()
         self.check_rss_growth()
 
@@ -236,6 +245,7 @@ class Soak:
             sample = sample_gauges(await self.probe.gauges() or {}, self.done, round(self.elapsed(), 2))
         if sample is not None:
             self.rss.append(sample)
+        self.pages.check(await self.probe.gauges(), f"after {self.done} requests")
 
     def rss_basis(self) -> str:
         """Killed ranks come back with fresh memory: after a kill, only the front's growth means anything."""
@@ -315,7 +325,7 @@ class Soak:
         """Poll /metrics until no KV slot is used and no request runs or waits (--drain-timeout)."""
         start = time.monotonic()
         while True:
-            gauges = await self.probe.gauges()
+            gauges = self.last_gauges = await self.probe.gauges()
             values = {name: (gauges or {}).get(name) for name in DRAIN_GAUGES}
             waited = round(time.monotonic() - start, 2)
             if all(value == 0 for value in values.values()):
@@ -343,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disconnect-fraction", type=float, default=0.1,
                         help="Share of requests that stream and hang up after one or two events.")
     parser.add_argument("--bad-fraction", type=float, default=0.05, help="Share of requests with bad input.")
+    parser.add_argument("--prefix-fraction", type=float, default=0.0,
+                        help="Share of the good requests whose prompt starts with one of a few long shared system "
+                             "prompts (new questions, prompts sent again, a chat's next turn): prefix-cache traffic.")
     parser.add_argument("--bad-kinds", type=lambda text: text.split(","), default=list(BAD_REQUESTS),
                         help=f"Comma-separated kinds of bad input to send, of: {','.join(BAD_REQUESTS)}.")
     parser.add_argument("--timeout", type=float, default=120.0, help="Seconds one request may take (a violation).")
@@ -388,8 +401,8 @@ def check_load_args(args) -> None:
         raise ValueError("--num-requests must be at least 1 and --duration positive")
     if args.concurrency < 1 or args.timeout <= 0 or args.recovery_timeout <= 0 or args.drain_timeout < 0:
         raise ValueError("--concurrency must be at least 1 and the timeouts positive")
-    if not (0 <= args.disconnect_fraction <= 1 and 0 <= args.bad_fraction <= 1):
-        raise ValueError("--disconnect-fraction and --bad-fraction must be in [0, 1]")
+    if not all(0 <= share <= 1 for share in (args.disconnect_fraction, args.bad_fraction, args.prefix_fraction)):
+        raise ValueError("--disconnect-fraction, --bad-fraction and --prefix-fraction must be in [0, 1]")
     if args.kill_rank_every is not None and args.kill_rank_every < 1:
         raise ValueError("--kill-rank-every must be at least 1")
 

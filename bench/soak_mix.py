@@ -3,6 +3,12 @@
 Every choice is drawn from one `random.Random(--seed)`, so a run can be repeated. Prompts
 come from a small pool and keep their max_tokens, and seeds from a short list, so the same
 greedy or seeded request recurs and `Determinism` has answers to compare.
+
+With --prefix-fraction, that share of the good requests is prefix-cache traffic
+(`SharedPrefixes`): a new question after one of a few long system prompts (pool prompts joined),
+an earlier such prompt sent again whole, or a chat's next turn (an earlier prompt and one more
+question). A prompt sent again keeps its id, so its greedy and seeded answers, read from the
+cache, are compared with the first.
 """
 from __future__ import annotations
 
@@ -31,11 +37,47 @@ SAMPLING_MODES = {          # name: (weight, fields); "seeded" also gets a seed 
 }
 
 
+# Prefix-cache traffic: the system prompts, and the shares of prefix requests that send an earlier
+# prompt again or continue one (the rest ask a new question after a system prompt).
+SYSTEM_PROMPTS, SYSTEM_PARTS = 4, 4     # system prompts, each this many pool prompts joined
+RESEND_SHARE, NEXT_TURN_SHARE = 0.3, 0.3
+MAX_TURNS = 2                           # next turns of one conversation: prompts stay within the context
+PREFIX_PROMPTS_KEPT = 64                # recent prefix prompts, to send again or continue
+
+
 @dataclass(frozen=True)
 class Prompt:
     id: int
     text: str
     max_tokens: int
+    turn: int = 0                       # prefix prompts: the turns before this one in its conversation
+
+
+class SharedPrefixes:
+    """Prompts that start with one of a few long system prompts, drawn from `rng` (see the module's doc)."""
+
+    def __init__(self, rng: random.Random, pool: list[Prompt]):
+        self.rng, self.pool = rng, pool
+        parts = pool[len(SHORT_PROMPTS):] or pool        # the dataset's prompts, where there are any
+        self.systems = ["\n".join(rng.choice(parts).text for _ in range(SYSTEM_PARTS)) for _ in range(SYSTEM_PROMPTS)]
+        self.sent: list[Prompt] = []
+        self.next_id = max(p.id for p in pool) + 1
+
+    def prompt(self) -> Prompt:
+        rng, share = self.rng, self.rng.random()
+        if self.sent and share < RESEND_SHARE:
+            return rng.choice(self.sent)
+        question = rng.choice(self.pool)
+        earlier = rng.choice(self.sent) if self.sent and share < RESEND_SHARE + NEXT_TURN_SHARE else None
+        if earlier is not None and earlier.turn < MAX_TURNS:
+            return self.new(earlier.text + "\n" + question.text, question.max_tokens, earlier.turn + 1)
+        return self.new(rng.choice(self.systems) + "\n" + question.text, question.max_tokens, 0)
+
+    def new(self, text: str, max_tokens: int, turn: int) -> Prompt:
+        prompt = Prompt(self.next_id, text, max_tokens, turn)
+        self.next_id += 1
+        self.sent = [*self.sent[-(PREFIX_PROMPTS_KEPT - 1):], prompt]
+        return prompt
 
 
 def prompt_pool(args) -> list[Prompt]:
@@ -101,6 +143,8 @@ class Mix:
         self.bad_fraction, self.disconnect_fraction = args.bad_fraction, args.disconnect_fraction
         self.bad_kinds = args.bad_kinds
         self.recipes: list[Recipe] = []     # recent greedy and seeded ones, to send again
+        self.prefix_fraction = args.prefix_fraction
+        self.prefixes = SharedPrefixes(self.rng, pool) if args.prefix_fraction else None
 
     def plan(self, index: int) -> Plan:
         if self.rng.random() < self.bad_fraction:
@@ -114,11 +158,16 @@ class Mix:
             return rng.choice(self.recipes)
         mode = rng.choices(list(SAMPLING_MODES), weights=[w for w, _ in SAMPLING_MODES.values()])[0]
         stops = tuple(rng.sample(STOP_STRINGS, rng.choice((1, 2)))) if rng.random() < STOP_SHARE else ()
-        recipe = Recipe(rng.choice(self.pool), rng.choice(ENDPOINTS), mode,
+        recipe = Recipe(self.draw_prompt(), rng.choice(ENDPOINTS), mode,
                         rng.choice(SEEDS) if mode == "seeded" else None, stops, rng.random() < IGNORE_EOS_SHARE)
         if recipe.determinism_key is not None:
             self.recipes = [*self.recipes[-(RECIPES_KEPT - 1):], recipe]
         return recipe
+
+    def draw_prompt(self) -> Prompt:
+        if self.prefixes is not None and self.rng.random() < self.prefix_fraction:
+            return self.prefixes.prompt()
+        return self.rng.choice(self.pool)
 
     def good_plan(self, index: int, disconnect: bool) -> Plan:
         """A recipe, sent in any shape: streamed or whole, n choices, with or without logprobs."""

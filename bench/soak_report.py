@@ -97,6 +97,7 @@ def summarize(soak, duration_s: float) -> dict:
                        "median_ttft": per_kind_ms(tally.ttft, statistics.median)},
         "memory": memory_report(soak),
         "end_state": soak.end_state,
+        "kv_pages": soak.pages.report(),
         "kills": kill_report(soak) if soak.args.kill_rank_every else None,
     }
 

@@ -154,7 +154,16 @@ class Scheduler:
         return [gauge("tandem_num_running_reqs", "Requests decoding now.", len(self.running)),
                 gauge("tandem_num_waiting_reqs", "Requests waiting for admission.", len(self.waiting)),
                 gauge("tandem_steps_total", "Scheduler steps run so far.", self.step),
-                gauge("tandem_retractions_total", "Requests retracted for lack of KV space so far.", self.retractions)]
+                gauge("tandem_retractions_total", "Requests retracted for lack of KV space so far.", self.retractions),
+                gauge("tandem_kv_slots_owned", "KV cache slots in pages that requests hold as their own (not the "
+                      "cached pages they read): with the free and the cached ones, every slot.", self.owned_slots)]
+
+    @property
+    def owned_slots(self) -> int:
+        """Counted from the requests, apart from the free list and the cache, so that a soak can check
+        that the three add up to the pool (bench/soak_pages.py)."""
+        holders = [*self.running, *self.reserved.values()]
+        return sum(len(r.pages) - len(r.cache_path) for r in holders) * self.pool.page_size
 
     @property
     def has_work(self) -> bool:

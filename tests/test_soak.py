@@ -17,7 +17,8 @@ from aiohttp import web
 
 from bench import soak
 from bench.soak_checks import Answer, Completion, Choice, Determinism, Plan, check_answer
-from bench.soak_mix import BAD_REQUESTS, Mix, Prompt
+from bench.soak_mix import BAD_REQUESTS, SHORT_PROMPTS, Mix, Prompt
+from bench.soak_pages import PLACES
 from bench.soak_server import RssSample, parse_gauges, pid_listening_on, rank_pids
 from tests.server_harness import running_server
 
@@ -215,10 +216,11 @@ def test_seeded_choices_compare_by_seed_plus_index():
 
 # ---- the mix, /proc and the summary's arithmetic ----------------------------------------------
 
-def mix(seed: int = 1, bad: float = 0.0, disconnect: float = 0.0) -> Mix:
+def mix(seed: int = 1, bad: float = 0.0, disconnect: float = 0.0, prefix: float = 0.0,
+        pool: list[Prompt] | None = None) -> Mix:
     args = soak.parse_args(["--no-dataset", "--seed", str(seed), "--bad-fraction", str(bad),
-                            "--disconnect-fraction", str(disconnect)])
-    return Mix(args, [Prompt(0, "def f(x):\n", 8), Prompt(1, "import os\n", 16)], "m", 2048)
+                            "--disconnect-fraction", str(disconnect), "--prefix-fraction", str(prefix)])
+    return Mix(args, pool or [Prompt(0, "def f(x):\n", 8), Prompt(1, "import os\n", 16)], "m", 2048)
 
 
 def test_the_mix_repeats_itself_for_a_seed_and_resends_recipes():
@@ -240,6 +242,53 @@ def test_bad_and_disconnecting_plans():
     assert all(p.stream and p.disconnect_after in (1, 2) for p in plans if not p.bad)
     assert all(isinstance(p.body, bytes) for p in bad if p.bad == "invalid_json")
     assert all(p.body["model"] == "no-such-model" for p in bad if p.bad == "wrong_model")
+
+
+def prompt_text(plan) -> str:
+    body = plan.body
+    return body["messages"][0]["content"] if plan.endpoint == "chat" else body.get("prompt") or body["text"]
+
+
+def test_the_prefix_mix_resends_and_continues_prompts_over_a_few_system_prompts():
+    pool = [Prompt(i, text, 8) for i, text in enumerate(SHORT_PROMPTS)] + \
+        [Prompt(len(SHORT_PROMPTS) + i, f"dataset prompt {i} " * 20, 16) for i in range(12)]
+    chats = mix(prefix=0.6, pool=pool)
+    texts = [prompt_text(chats.plan(i)) for i in range(400)]
+    systems = chats.prefixes.systems
+    prefixed = [text for text in texts if text.startswith(tuple(systems))]
+    assert len(systems) == 4 and all(len(system) > 4 * len("dataset prompt 0 " * 20) for system in systems)
+    assert 0.5 * len(texts) < len(prefixed) < 0.75 * len(texts)        # the share, and the resent recipes
+    assert len(set(prefixed)) < 0.6 * len(prefixed)                      # prompts sent again whole
+    turns = [text for text in set(prefixed) if any(text.startswith(other + "\n") for other in set(prefixed))]
+    assert turns                                                         # an earlier prompt and a new question
+    assert max(prompt.turn for prompt in chats.prefixes.sent) == 2
+    assert {p.id for p in chats.prefixes.sent}.isdisjoint(p.id for p in pool)
+
+
+def test_pages_that_do_not_add_up_are_violations():
+    run = soak.Soak(soak.parse_args(["--no-dataset", "--disable-tqdm"]), FakeProbe(True), None, None)
+    fine = dict(zip(PLACES, (100, 60, 30, 20, 10))) | {"tandem_prefix_cache_hit_tokens_total": 50.0,
+                                                         "tandem_prefix_cache_prompt_tokens_total": 400.0,
+                                                         "tandem_prefix_cache_evicted_tokens_total": 7.0,
+                                                         "tandem_retractions_total": 2.0}
+    run.pages.begin(fine | {"tandem_prefix_cache_hit_tokens_total": 10.0,
+                            "tandem_prefix_cache_prompt_tokens_total": 200.0})
+    run.pages.check(fine, "mid-run")
+    run.pages.check(fine | {"tandem_kv_slots_free": 59}, "a page lost")
+    run.pages.check(fine | {"tandem_kv_slots_owned": 11}, "a page in two places")
+    run.pages.check(fine, "drained while requests hold pages", drained=True)
+    run.pages.check(None, "no /metrics")
+    assert run.tally.violations == {"kv_pages_mismatch": 3}
+    assert [e.split(":")[0] for e in run.tally.examples["kv_pages_mismatch"]] == \
+        ["a page lost", "a page in two places", "drained while requests hold pages"]
+    drained = fine | {"tandem_kv_slots_free": 70, "tandem_prefix_cache_idle_tokens": 30, "tandem_kv_slots_owned": 0}
+    run.pages.check(drained, "drained", drained=True)
+    assert run.tally.violations == {"kv_pages_mismatch": 3}
+    report = run.pages.report()
+    assert report["checks"] == 5 and report["unmeasured"] == 1 and report["slots_at_end"]["free"] == 70
+    assert report["prefix_cache"] == {"prompt_tokens": 200.0, "hit_tokens": 40.0, "evicted_tokens": 0.0,
+                                      "hit_rate": 0.2, "cached_at_end": 30}
+    assert report["retractions"] == 0.0
 
 
 def test_the_listening_process_is_found_from_the_port():
@@ -389,3 +438,27 @@ async def test_a_short_soak_against_a_real_server_finds_nothing(tmp_path):
     assert outcomes["ok"] > 20 and outcomes["rejected"] > 0 and outcomes["disconnected"] > 0
     assert sum(summary["determinism"]["compared"].values()) > 0
     assert summary["memory"]["source"] == "proc" and summary["memory"]["growth_pct"] is not None
+
+
+@pytest.mark.slow
+async def test_a_prefix_heavy_soak_on_a_small_kv_budget_evicts_and_its_pages_add_up(tmp_path):
+    """Most prompts over a few shared system prompts, on a pool that holds what 4 running requests need
+    (so none is retracted: a retracted request's seeded tokens may differ under speculation) but far less
+    than the prompts and answers together: the cache hits, evicts and is read again, every answer checks,
+    and the pool's pages add up throughout."""
+    flags = ["--max-total-tokens", "1536", "--max-running-requests", "4"]
+    with running_server(flags, tmp_path / "server.log") as server:
+        args = soak.parse_args(["--base-url", server.url, "--num-requests", "120", "--concurrency", "8",
+                                "--prefix-fraction", "0.7", "--disconnect-fraction", "0.1", "--bad-fraction", "0.02",
+                                "--num-prompts", "6", "--random-input-len", "32", "--random-output-len", "12",
+                                "--disable-tqdm", "--server-pid", str(server.process.pid)])
+        summary = await soak.run_soak(args)
+    assert summary["violations"] == {"total": 0, "by_kind": {}}, json.dumps(summary["violations"], indent=1)
+    pages = summary["kv_pages"]
+    assert pages["checks"] >= 3 and pages["unmeasured"] == 0           # at each memory sample and at the end
+    end = pages["slots_at_end"]
+    assert end["owned"] == 0 and end["free"] + end["cached"] == end["total"] == 1536
+    cache = pages["prefix_cache"]
+    assert cache["hit_tokens"] > 0 and cache["evicted_tokens"] > 0 and 0 < cache["hit_rate"] < 1
+    assert pages["retractions"] == 0
+    assert sum(summary["determinism"]["compared"].values()) > 0

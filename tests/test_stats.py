@@ -78,6 +78,8 @@ ADDED_SINCE = {
     "tandem_prefix_cache_tokens": ("gauge", "Tokens the prefix cache holds."),
     "tandem_prefix_cache_idle_tokens": ("gauge", "Of those, tokens no running request reads (free to evict)."),
     "tandem_prefix_cache_evicted_tokens_total": ("counter", "Tokens evicted from the prefix cache."),
+    "tandem_kv_slots_owned": ("gauge", "KV cache slots in pages that requests hold as their own (not the cached "
+                              "pages they read): with the free and the cached ones, every slot."),
 }
 
 
@@ -107,7 +109,7 @@ def a_rank(rank: int, *, running: int = 0, accept_hist: tuple[int, ...] = (), ga
     """What Rank.stats reports for a rank whose components are in this state, as the front receives it."""
     scheduler = Scheduler(SchedulerConfig(8, 8, 64, 64, 64, 18), KVPool(100, 1, 8), frozenset(),
                           SpeculativeDecoding(len(accept_hist) or 1, gate=gate))
-    scheduler.running = [None] * running
+    scheduler.running = [SimpleNamespace(pages=[], cache_path=[])] * running
     spec = SpecStats(len(accept_hist))
     spec.accept_hist = list(accept_hist)
     core = EngineCore(scheduler, runner or Runner(), overlap=True)
