@@ -64,7 +64,7 @@ class SpecRecord:
     """Speculative decoding's record of one request (Request.decode)."""
     steps_launched: int = 0     # speculative steps launched: seeded noise keys (the KV bound depends on timing)
     draft_lag: int = 0          # positions its draft model has to catch up on
-    draft_end: int = 0          # positions its draft model has read (prefill; plain decodes)
+    draft_end: int = 0          # positions its draft model has read (prefill; plain decodes); behind: to a hole
     drafting: int = 0           # speculative steps with drafts in flight (kv_len is a bound while > 0)
     extra_rounds: int = 0       # rounds (plain run steps) in flight beyond one a launch (each emits a token or more)
     plain: bool = False         # its last step was a plain decode (feed_plain: under load, or the gate's)
@@ -265,8 +265,9 @@ class SpeculativeDecoding(DecodePolicy):
         from speculative steps, the draft has read the positions before kv_len - 1 - draft_lag;
         end_prefill_plan counts what it lacks from there."""
         record = req.decode
-        if not record.plain:
-            record.draft_end, record.plain = req.kv_len - 1 - record.draft_lag, True
+        if not record.plain and not record.behind:      # a head behind read nothing past its draft_end
+            record.draft_end = req.kv_len - 1 - record.draft_lag
+        record.plain = True
         sched.feed(batch, req, 1, decode=True)
 
     def feed_plain_run(self, sched: "Scheduler", batch: ScheduledBatch, req: Request, steps: int) -> None:
@@ -322,8 +323,8 @@ class SpeculativeDecoding(DecodePolicy):
             record, end = seq.req.decode, seq.req.kv_len       # a plain run's end, past its one fed token
             if batch.spec.no_decode:        # the draft reads none of it, and never will: keep it out of the cache
                 record.behind, record.draft_end = True, min(record.draft_end, seq.start)
-            elif not skip:
-                record.draft_end = end
+            elif not batch.spec.draft_skip and not record.behind:
+                record.draft_end = end      # (a head behind has holes from draft_end on: what it reads later stays out)
             if seq.last_chunk:
                 record.draft_lag = 0 if record.draft_end == end else end - 1 - record.draft_end
 

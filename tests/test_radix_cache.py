@@ -24,6 +24,7 @@ from engine.request import Status
 from engine.scheduler import Scheduler, SchedulerConfig
 from spec.policy import SpeculativeDecoding
 from tests.pool_checks import check_pool
+from tests.test_spec_gate import Scripted
 
 # ---- the tree -------------------------------------------------------------------------------
 
@@ -260,3 +261,30 @@ def test_pages_whose_draft_state_is_stale_stay_out_of_the_cache(speculative):
         sched.process(batch, device.run(batch))
     assert sched.pool.cache.pages == (0 if speculative else 29)
     assert sched.pool.used_slots == 0 and sched.pool.free_count == sched.pool.num_pages
+
+
+def test_positions_an_eagle_head_stepped_aside_from_stay_out_of_the_cache():
+    """Once the gate settles on plain decoding, an EAGLE head skips the plain runs (spec/policy.py: aside),
+    and the prompts that join them: a seeded request that read those pages would draft from K/V the head
+    never wrote, so only what it read before is cached, and a prompt it never read adds nothing."""
+    gate = Scripted([False], settle_after=1)
+    sched = make(num_slots=512, page_size=1,
+                 policy=SpeculativeDecoding(spec_tokens=4, rounds=4, gate=gate, draft_falls_behind=True))
+    sched.add("g", [1, 2, 3], SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True))
+    runs = [[4], [5, 6, 7, 8], [9, 10, 11, 12]]       # the prompt, a plain run the head reads, one it skips
+    for tokens in runs:
+        batch = sched.schedule()
+        sched.process(batch, StepOutput(tokens=[tokens]))
+    assert batch.spec.draft_skip and not sched.requests
+    assert sched.pool.cache.pages == 7                # positions 0-6: the prompt and the run the head read
+
+    short = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    sched.add("h", [1, 2, 3, 4, 5, 6, 7, 8, 20], short)
+    sched.add("i", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 30], short)
+    batch = sched.schedule()                          # settled: greedy prompts go unread
+    assert batch.spec.draft_skip and [s.req.cached_tokens for s in batch.seqs] == [7, 7]
+    sched.process(batch, StepOutput(tokens=[[21], [31]]))
+    while sched.has_work:
+        batch = sched.schedule()
+        sched.process(batch, StepOutput(tokens=[[40] for _ in batch.sampling]))
+    assert sched.pool.cache.pages == 7
