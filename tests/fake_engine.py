@@ -11,6 +11,7 @@ import asyncio
 from collections import deque
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine.kv_pool import KVPool
 from engine.messages import RankStats, SamplingParams, TokenDelta
@@ -34,9 +35,10 @@ def rank_stats(rank: int, running: int, waiting: int, kv_used: int, steps: int, 
     """What a rank in that state reports: the tables of real components (a scheduler with 1000 KV slots,
     its overlap meter, speculation whose every verify step emitted `accept_length` tokens)."""
     scheduler = Scheduler(SchedulerConfig(8, 8, 64, 64, 64, 18), KVPool(1000, 1, 8), frozenset())
-    scheduler.running, scheduler.waiting = [None] * running, deque([None] * waiting)
+    holders = [SimpleNamespace(pages=[], cache_path=[]) for _ in range(running)]     # the running requests' pages
+    scheduler.running, scheduler.waiting = holders, deque([None] * waiting)
     scheduler.step, scheduler.retractions, scheduler.policy.off_steps = steps, retractions, off_steps
-    scheduler.pool.grow([], kv_used)
+    scheduler.pool.grow(holders[0].pages if holders else [], kv_used)
     meter = OverlapMeter()
     meter.cpu_total, meter.hidden_total = 1.0, hidden_cpu_fraction
     spec = SpecStats(accept_length)

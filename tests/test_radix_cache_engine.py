@@ -11,7 +11,8 @@ Seeded requests asked after one shared system prompt answer as they would withou
 depend on their drafts, so a cached page must hold the draft's K/V as they would compute it). A pool of a
 few prompts' worth under many prompts that share parts evicts, answers as without a cache, and keeps
 every page in one place after every step. A trace lists each admission with the tokens it read from the
-cache.
+cache. In float32 with an unquantized head a seeded answer does not depend on its prefill's chunking,
+which is what makes answers read from the cache the same as those computed alone (bench/chunking.py).
 """
 from __future__ import annotations
 
@@ -237,3 +238,16 @@ def test_the_trace_shows_what_each_admitted_request_read_from_the_cache(waves, t
     admitted = [entry for span in spans for entry in span["args"].get("admitted", [])]
     assert admitted == [{"rid": r.rid, "tokens": len(r.input_ids), "cached": r.cached_tokens} for r in requests]
     assert sum(entry["cached"] > 0 for entry in admitted) == 5        # the second wave's, and the next turn
+
+
+# ---- what the soak's determinism check stands on ------------------------------------------------
+
+def test_in_float32_a_seeded_answer_does_not_depend_on_the_prefill_chunking(capsys):
+    """A request that reads a cached prefix computes the rest in other chunks: in float32 with an unquantized
+    EAGLE head its seeded answer is the one it gives alone (docs/prefix-cache.md: "Determinism")."""
+    from bench import chunking
+    chunking.main(["--num-prompts", "8", "--max-new-tokens", "16", "--chunks", "2048,7", "--sampling", "seeded",
+                   "--dtype", "float32", *ALGORITHMS["eagle"], "--speculative-draft-quantization", "none"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["prompts"] == 8 and result["chunks"]["7"]["answers_differ"] == 0
+    assert result["chunks"]["7"]["max_first_logprob_change"] < 1e-4
