@@ -1,12 +1,13 @@
 """What structured outputs cost, side by side: on each server config, in alternating rounds, the same
-workload three ways: no request constrained (free), one request of the run constrained (one), every
-request constrained (all). Prints medians of the free and the constrained streams' decode speed with
-ratios to the free run's: what a constrained request costs the unconstrained ones beside it, and what
-constrained decoding costs itself, with and without speculation.
+workload three ways: no request constrained (free), one request in ONE_IN constrained (one: at 16
+requests at a time, about one constrained request in every batch), every request constrained (all).
+Prints medians of the free and the constrained streams' decode speed with ratios to the free run's:
+what a constrained request costs the unconstrained ones beside it, and what constrained decoding costs
+itself, with and without speculation.
 
     python bench/structured.py --config "none=--speculative-algorithm none" --config "default=" \\
-        --dataset-name random --random-input-len 24 --random-range-ratio 1.0 --random-output-len 64 \\
-        --num-prompts 16 --max-concurrency 1,16 --rounds 3
+        --dataset-name random --random-input-len 24 --random-range-ratio 1.0 --random-output-len 128 \\
+        --num-prompts 64 --max-concurrency 1,16 --rounds 5
 
 The constraint is --constraint (default: a regex of lowercase words that never ends before the length
 limit, so constrained and free streams emit as many tokens).
@@ -27,20 +28,22 @@ if __package__ in (None, ""):
 from bench import compare, serving  # noqa: E402
 from bench.worktree import WORKING_TREE  # noqa: E402
 
+ONE_IN = 16
 FREE, CONSTRAINED = "free_decode_throughput_per_request", "constrained_decode_throughput_per_request"
 
 
 def workloads(args) -> list[tuple[str, float]]:
-    return [("free", 0.0), ("one", 1.0 / args.num_prompts), ("all", 1.0)]
+    return [("free", 0.0), ("one", 1.0 / ONE_IN), ("all", 1.0)]
 
 
 def run_rounds(args, servers: list[compare.Server]) -> dict[tuple[str, int, str], list[dict]]:
-    """Every server, concurrency and workload once a round, servers in alternating order."""
+    """Every server, concurrency and workload once a round, servers and workloads in alternating order."""
     runs: dict[tuple[str, int, str], list[dict]] = {}
     for round_index in range(args.rounds):
         for server in servers if round_index % 2 == 0 else servers[::-1]:
             for concurrency in args.max_concurrency:
-                for workload, share in workloads(args):
+                order = workloads(args) if round_index % 2 == 0 else workloads(args)[::-1]   # no order bias
+                for workload, share in order:
                     bench = compare.bench_namespace(args, server.url, concurrency)
                     bench.constrained_fraction = share
                     metrics = asyncio.run(serving.run_benchmark(bench, verbose=False))
