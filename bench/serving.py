@@ -254,7 +254,16 @@ def read_chunk(args, data: dict, result: RequestResult, clock: TokenClock, now: 
 
 
 async def send_request(session: aiohttp.ClientSession, args, request: Request) -> RequestResult:
-    """Send one streaming request; every failure is caught and described."""
+    """Send one streaming request; every failure is caught and described. A request whose pooled
+    connection the server had closed (nothing sent or received yet) is sent once more, as HTTP clients
+    do (llama-server closes idle keep-alive connections)."""
+    result = await send_once(session, args, request)
+    if result.error.startswith("ClientOSError") and "Can not write request body" in result.error:
+        result = await send_once(session, args, request)
+    return result
+
+
+async def send_once(session: aiohttp.ClientSession, args, request: Request) -> RequestResult:
     result = RequestResult(prompt_len=request.prompt_len, constrained=request.constrained)
     url, body = build_payload(args, request)
     start = time.perf_counter()
