@@ -35,8 +35,8 @@ CASES = {
     "eagle3": ALGORITHMS["eagle3"] + ["--num-scheduler-steps", "4"],
     "standalone": ALGORITHMS["standalone"],
     "ngram": ALGORITHMS["ngram"],
-    "eagle-retracting": ALGORITHMS["eagle"] + ["--max-total-tokens", "320"],    # requests retracted, recomputed
-    "none-retracting": ALGORITHMS["none"] + ["--max-total-tokens", "320"],
+    "eagle-retracting": ALGORITHMS["eagle"] + ["--max-total-tokens", "160"],    # requests retracted, recomputed
+    "none-retracting": ALGORITHMS["none"] + ["--max-total-tokens", "160"],
 }
 
 
