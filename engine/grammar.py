@@ -128,7 +128,6 @@ class Grammar:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.stop_ids = frozenset(self.matcher.stop_token_ids)
         self.pending: tuple[Any, int] | None = None     # (tokens tensor, index): sampled, not yet accepted
-        self.refused = 0                                # tokens it could not accept (none, unless a bug)
 
     @property
     def ended(self) -> bool:
@@ -143,22 +142,21 @@ class Grammar:
             self.accept(int(tokens[index]))
 
     def accept(self, token: int) -> bool:
-        if self.matcher.is_terminated():
+        if self.ended:
             return False                  # a step past the request's end (overlap): its token is dropped
         if self.matcher.accept_token(token):
             return True
-        self.refused += 1
         log.warning("a grammar refused token %d that its own mask allowed", token)
         return False
 
     def try_draft(self, token: int) -> bool:
         """Walk a speculative draft (refused: the chain is cut there)."""
-        return not self.matcher.is_terminated() and self.matcher.accept_token(token)
+        return not self.ended and self.matcher.accept_token(token)
 
     def fill(self, bitmask, index: int) -> None:
         """Row `index` of the bitmask: the tokens that may come next (every token past the end: the
         step's token for this request is dropped)."""
-        if self.matcher.is_terminated():
+        if self.ended:
             bitmask[index].fill_(-1)
         else:
             self.matcher.fill_next_token_bitmask(bitmask, index)

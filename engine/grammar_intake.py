@@ -28,6 +28,14 @@ class Compiled:
     error: str = ""
 
 
+def back_on(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """From the compile thread: run callback on the loop, unless the rank has stopped (its loop is closed)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
+
+
 class GrammarIntake:
     def __init__(self, compiler: GrammarCompiler, limit: int, deliver: Callable[[Compiled], None]):
         self.compiler, self.limit, self.deliver = compiler, limit, deliver
@@ -46,7 +54,7 @@ class GrammarIntake:
             return self.compiled(msg, future)
         self.compiling[msg.rid] = msg
         loop = asyncio.get_running_loop()
-        future.add_done_callback(lambda f: loop.call_soon_threadsafe(self.finish, msg, f))
+        future.add_done_callback(lambda f: back_on(loop, self.finish, msg, f))
         return None
 
     def finish(self, msg: AddRequest, future: Future) -> None:

@@ -7,6 +7,7 @@ import re
 
 import jsonschema
 
+from bench.soak_grammar import EBNF, EBNF_AS_REGEX, REGEX    # the soak's regex and EBNF, checked the same way
 from engine.messages import GrammarSpec
 
 SCHEMAS = {
@@ -25,9 +26,6 @@ SCHEMAS = {
         "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9},
                                          "ok": {"type": "boolean"}}, "required": ["id", "ok"]}},
 }
-REGEX = r"(yes|no), [0-9]{1,3}!"
-EBNF = 'root ::= "(" expr ")"\nexpr ::= [0-9]+ (("+" | "*") [0-9]+)*'
-EBNF_AS_REGEX = r"\([0-9]+([+*][0-9]+)*\)"
 
 GRAMMARS: dict[str, GrammarSpec] = {
     **{name: GrammarSpec("json_schema", json.dumps(schema)) for name, schema in SCHEMAS.items()},
