@@ -27,6 +27,7 @@ from typing import Iterator
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import serving  # noqa: E402
+from bench.paired import paired  # noqa: E402
 from bench.worktree import (WORKING_TREE, CheckoutFailed, Tree, default_checkout_dir, mirror_files,  # noqa: E402
                             open_worktree, remove_worktree, resolve_revision)
 
@@ -332,13 +333,45 @@ def print_table(rows: list[dict], names: list[str], rounds: int) -> None:
 
 def ab_ratios(rows: list[dict], configs: list[str], suffix: str) -> list[dict]:
     """Per config and concurrency, the working tree's medians over those of the `NAME<suffix>` server
-    ({metric: ratio}, None where a server or a value is missing)."""
+    ({metric: ratio}, None where a server or a value is missing), and its output tok/s paired round by
+    round (bench/paired.py)."""
     medians_of = {(r["config"], r["max_concurrency"]): r["median"] for r in rows}
+    runs_of = {(r["config"], r["max_concurrency"]): r.get("runs", []) for r in rows}
     concurrencies = sorted({c for _, c in medians_of})
-    return [{"config": config, "against": config + suffix, "max_concurrency": concurrency,
-             "ratios": {key: ratio(medians_of.get((config, concurrency)),
-                                   medians_of.get((config + suffix, concurrency)), key) for _, key in AB_COLUMNS}}
-            for config in configs for concurrency in concurrencies]
+    out = []
+    for config in configs:
+        for concurrency in concurrencies:
+            new, old = (config, concurrency), (config + suffix, concurrency)
+            pair = paired(runs_of.get(new, []), runs_of.get(old, []), "output_throughput")
+            out.append({"config": config, "against": config + suffix, "max_concurrency": concurrency,
+                        "ratios": {key: ratio(medians_of.get(new), medians_of.get(old), key) for _, key in AB_COLUMNS},
+                        "paired_output": pair.record() if pair else None})
+    return out
+
+
+def paired_to_reference(rows: list[dict], names: list[str]) -> list[dict]:
+    """Each config's output tok/s over the first config's, round by round (bench/paired.py)."""
+    runs_of = {(r["config"], r["max_concurrency"]): r.get("runs", []) for r in rows}
+    out = []
+    for concurrency in sorted({c for _, c in runs_of}):
+        for name in names[1:]:
+            pair = paired(runs_of.get((name, concurrency), []), runs_of.get((names[0], concurrency), []),
+                          "output_throughput")
+            if pair:
+                out.append({"config": name, "against": names[0], "max_concurrency": concurrency, **pair.record()})
+    return out
+
+
+def print_paired(pairs: list[dict]) -> None:
+    """The round-by-round ratios: their median and its interval."""
+    if not pairs:
+        return
+    print("\nOutput tok/s, round by round (the two runs of a round are adjacent in time): median ratio "
+          f"[{pairs[0]['level']:.0%} interval of the median]")
+    width = name_width([p["config"] + " / " + p["against"] for p in pairs])
+    for p in pairs:
+        print(f"{p['config'] + ' / ' + p['against']:<{width}}{p['max_concurrency']:>5}   "
+              f"{p['median']:.3f}x [{p['low']:.3f}, {p['high']:.3f}] over {p['rounds']} rounds")
 
 
 def ratio(new: dict | None, old: dict | None, key: str) -> float | None:
@@ -507,7 +540,7 @@ def print_memory(servers: list[Server]) -> None:
 
 
 def write_record(args, servers: list[Server], failed: dict[str, str], rows: list[dict], tree: Tree | None,
-                 ab: list[dict] | None) -> None:
+                 ab: list[dict] | None, pairs: list[dict]) -> None:
     workload = {k: v for k, v in serving.args_record(args).items() if k != "config"}
     record = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "configs": [{"name": n, "flags": f} for n, f in args.config], "rounds": args.rounds,
@@ -515,7 +548,8 @@ def write_record(args, servers: list[Server], failed: dict[str, str], rows: list
               "servers": [{"name": s.name, "config": s.spec.config, "flags": list(s.spec.flags),
                            "tree": str(s.spec.tree.root), "commit": s.spec.tree.commit,
                            "memory_mb": s.memory_mb} for s in servers],
-              "failed_servers": failed, "results": rows, "server_pids": [s.process.pid for s in servers]}
+              "failed_servers": failed, "results": rows, "paired_output": pairs,
+              "server_pids": [s.process.pid for s in servers]}
     if tree:
         record["checkout"] = {"rev": args.checkout, "commit": tree.commit, "short": tree.short,
                               "path": str(tree.root), "kept": args.keep_checkout, "models": args.checkout_models,
@@ -543,15 +577,20 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("error: no server answered /health; nothing measured", file=sys.stderr)
         return 1
-    print_table(rows, [s.name for s in servers if s.name not in failed], args.rounds)
+    names = [s.name for s in servers if s.name not in failed]
+    print_table(rows, names, args.rounds)
+    pairs = paired_to_reference(rows, names)
     ab = ab_ratios(rows, [name for name, _ in args.config], old_tree.suffix) if old_tree else None
     if ab:
         print_ab_table(rows, ab, old_tree.short)
+        pairs += [{"config": e["config"], "against": e["against"], "max_concurrency": e["max_concurrency"],
+                   **e["paired_output"]} for e in ab if e["paired_output"]]
+    print_paired(pairs)
     print_memory(servers)
     for name, why in failed.items():
         print(f"not measured: {name} {why}")
     if args.output_file:
-        write_record(args, servers, failed, rows, old_tree, ab)
+        write_record(args, servers, failed, rows, old_tree, ab, pairs)
     return 1 if failed else 0
 
 

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     def forward(q_lens: list[int], kv_lens: list[int], grouped: bool) -> float:
         groups = attention_groups(q_lens, kv_lens, "cpu") if grouped else None
         batch = build_attention_batch(torch.tensor(q_lens), torch.tensor(kv_lens), torch.arange(len(q_lens)),
-                                      table, max(q_lens), max(kv_lens), kv, groups=groups)
+                                      table, max(q_lens), max(kv_lens), kv, groups=groups, tokens=sum(q_lens))
         ids = torch.randint(0, model.vocab_size, (sum(q_lens),))
         start = time.perf_counter()
         with torch.inference_mode():

@@ -218,9 +218,9 @@ class ModelRunner:
         if inp.graph is not None:
             logits = self.graphs.decode_logits(inp.graph, input_ids, put(inp.kv_lens) - 1, put(inp.rows))
             return self.sample_rows(inp, logits)[0]
-        groups = inp.groups and [(put(seqs), max_q, max_k) for seqs, max_q, max_k in inp.groups]
+        groups = inp.groups and [group._replace(seqs=put(group.seqs)) for group in inp.groups]
         attn = build_attention_batch(put(inp.q_lens), put(inp.kv_lens), put(inp.rows), self.req_to_slot,
-                                     inp.max_q, inp.max_kv, self.kv, groups=groups)
+                                     inp.max_q, inp.max_kv, self.kv, groups=groups, tokens=input_ids.shape[0])
         out = self.model(input_ids, attn, capture_aux=self.decoding.capture_aux(inp))
         if inp.sample_rows.numel() == 0:
             return self.decoding.after_forward(inp, input_ids, attn, out, input_ids[:0], StepResult())
@@ -246,7 +246,8 @@ class ModelRunner:
         aux = reads and self.decoding.capture_aux(inp)
         fed, outs, tokens, logits = [], [], [], []
         for step in range(inp.steps):
-            attn = build_attention_batch(q_lens, kv_lens + step, rows, self.req_to_slot, 1, inp.max_kv + step, self.kv)
+            attn = build_attention_batch(q_lens, kv_lens + step, rows, self.req_to_slot, 1, inp.max_kv + step, self.kv,
+                                         tokens=rows.shape[0])
             out = self.model(input_ids, attn, capture_aux=aux)
             step_logits = self.model.compute_logits(out.hidden)
             if reads:

@@ -169,7 +169,8 @@ class SpecWorker(SpecDecoder):
         if inp.graph is not None:
             return self.verify_captured(inp, rows, L, chain)
         tokens, q_lens, grid, greedy_drafts = verify_layout(self.bonus[rows], chain)
-        attn = build_attention_batch(q_lens, L + q_lens, rows, target.req_to_slot, k + 1, inp.max_kv, target.kv)
+        attn = build_attention_batch(q_lens, L + q_lens, rows, target.req_to_slot, k + 1, inp.max_kv, target.kv,
+                                     tokens=tokens.shape[0])
         out = target.model(tokens, attn, capture_aux=self.needs_aux)
         logits = target.model.compute_logits(out.hidden)
         if grid is not None:                       # back on the grid; rows past a width stay 0 (never accepted)

@@ -143,7 +143,7 @@ class SpecDecoder(Decoding):
             return
         target, put = self.target, self.put
         attn = build_attention_batch(put(run.q_lens), put(run.kv_lens), put(inp.rows), target.req_to_slot, steps,
-                                     run.max_kv, target.kv)
+                                     run.max_kv, target.kv, tokens=batch * steps)
         out = ModelOutput(hidden=rows_first([o.hidden for o in outs]),
                           aux_hidden=rows_first([o.aux_hidden for o in outs]))
         self.after_prefill(run, fed.reshape(-1), attn, out, last)

@@ -185,7 +185,8 @@ class EagleWorker(SpecWorker):
         dev = sampled.device
         last = torch.cumsum(inp.q_lens.to(dev), 0) - 1                         # last token of each seq
         next_ids = torch.roll(input_ids, -1)
-        samples = (inp.spec.draft_next < 0).to(dev)    # known on the host: the sampling seqs are the last chunks
+        # the sampling seqs (the last chunks), known on the host: indices, as a mask would have to be counted there
+        samples = (inp.spec.draft_next < 0).nonzero().squeeze(1).to(dev)
         after = inp.spec.draft_next.to(dev, copy=True)  # copy: draft_next itself stays the host's record
         after[samples] = sampled
         next_ids[last] = after

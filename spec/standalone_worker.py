@@ -87,8 +87,10 @@ class StandaloneWorker(SpecWorker):
         dev, lag = rows.device, inp.spec.draft_lag
         q_lens = lag.to(dev) + 2
         max_q = int(lag.max()) + 2 if lag.numel() else 2                          # host tensor: no sync
-        attn = build_attention_batch(q_lens, L + 1, rows, self.target.req_to_slot, max_q, inp.max_kv, self.draft_kv)
-        token_rows = rows.repeat_interleave(q_lens, output_size=attn.positions.shape[0])
+        tokens = int(lag.sum()) + 2 * lag.numel()                                # host tensor: no sync
+        attn = build_attention_batch(q_lens, L + 1, rows, self.target.req_to_slot, max_q, inp.max_kv, self.draft_kv,
+                                     tokens=tokens)
+        token_rows = rows.repeat_interleave(q_lens, output_size=tokens)
         out = self.draft_model(self.history.tokens[token_rows, attn.positions], attn)
         return out.hidden[torch.cumsum(q_lens, 0) - 1]
 

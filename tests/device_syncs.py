@@ -42,6 +42,8 @@ READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Te
 # ops whose output size depends on the values: the host must read them first
 VALUE_SIZED = {torch.Tensor.nonzero, torch.nonzero, torch.Tensor.masked_select, torch.masked_select,
                torch.unique, torch.Tensor.unique, torch.Tensor.argwhere, torch.argwhere}
+# sized by a tensor of counts unless output_size says the total
+REPEATS = {torch.repeat_interleave, torch.Tensor.repeat_interleave}
 INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put}
 MOVES = {torch.Tensor.to, torch.Tensor.cuda}
 DEVICE_OF = torch.Tensor.device.__get__
@@ -55,6 +57,7 @@ class HostSyncs(TorchFunctionMode):
         super().__init__()
         self.marked: dict[int, weakref.ref] = {}
         self.reads: list[str] = []
+        self.device_ops = 0                # ops on device tensors seen while counting: the harness saw the launches
         self.counting_threads: set[int] = set()
         self.lock = threading.Lock()
 
@@ -100,6 +103,8 @@ class HostSyncs(TorchFunctionMode):
         inputs = tree_flatten((args, kwargs))[0]
         device_inputs = any(self.on_device(t) for t in inputs)
         self.check(func, args, kwargs, device_inputs)
+        if device_inputs and threading.get_ident() in self.counting_threads:
+            self.device_ops += 1
         result = func(*args, **kwargs)
         if func in MOVES:
             return self.moved(args, kwargs, result)
@@ -114,6 +119,8 @@ class HostSyncs(TorchFunctionMode):
             self.record(name)
         elif func in VALUE_SIZED and device_inputs:
             self.record(name)
+        elif func in REPEATS and "output_size" not in kwargs and self.on_device(repeats(args, kwargs)):
+            self.record(f"{name} without output_size")
         elif func in INDEXING and any(self.on_device(t) and t.dtype == torch.bool for t in tree_flatten(args[1])[0]):
             self.record(f"{name} with a boolean mask")
         elif func in MOVES and self.on_device(args[0]) and target(args, kwargs) == HOST \
@@ -133,6 +140,11 @@ class HostSyncs(TorchFunctionMode):
         if self.on_device(source):
             self.mark(result)
         return result
+
+
+def repeats(args: tuple, kwargs: dict) -> Any:
+    """repeat_interleave's `repeats` (None: the one-argument form, which is value-sized too)."""
+    return kwargs.get("repeats", args[1] if len(args) > 1 else args[0])
 
 
 def pretend(device: Any) -> bool:

@@ -430,10 +430,28 @@ def test_compare_runs_rounds_and_stops_servers(tokenizer_dir, tmp_path):
     fast = next(r for r in rows if r["config"] == "fast" and r["max_concurrency"] == 1)
     slow = next(r for r in rows if r["config"] == "slow" and r["max_concurrency"] == 1)
     assert slow["median"]["mean_tpot_ms"] > fast["median"]["mean_tpot_ms"]
+    pairs = {p["max_concurrency"]: p for p in record["paired_output"]}
+    assert sorted(pairs) == [1, 4] and all(p["config"] == "slow" and p["against"] == "fast" for p in pairs.values())
+    assert pairs[1]["rounds"] == 2 and pairs[1]["low"] <= pairs[1]["median"] < 1 and "round by round" in result.stdout
     pids = [int(p) for p in record["server_pids"]]
     time.sleep(0.2)
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_paired_ratios_follow_rounds_that_drift_together():
+    """Two servers whose speed drifts 2x over the rounds, one 5% behind in every round: the ratio of
+    their medians swings, the median of the per-round ratios reads 0.95 with a tight interval."""
+    from bench.paired import paired
+    speeds = [100, 200, 60, 150, 90, 180, 120, 70]
+    old = [{"tok": s} for s in speeds]
+    new = [{"tok": s * 0.95} for s in speeds[1:] + speeds[:1]]           # rounds out of step: a wide interval
+    drifted = paired(new, old, "tok")
+    together = paired([{"tok": s * 0.95} for s in speeds], old, "tok")
+    assert together.median == pytest.approx(0.95) and together.high - together.low < 1e-9
+    assert drifted.high - drifted.low > 0.3 and together.rounds == drifted.rounds == 8
+    assert paired(new[:1], old[:1], "tok") is None                           # one round: nothing to bound
+    assert paired([{"tok": None}] * 3, old[:3], "tok") is None
 
 
 def test_compare_reports_a_server_that_never_gets_healthy_and_measures_the_rest(tokenizer_dir, tmp_path):

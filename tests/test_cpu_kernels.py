@@ -314,7 +314,7 @@ def test_attention_matches_the_torch_path(dtype, heads, kv_heads, qk_norm, dim):
     table = (pages[:, None] * page + torch.arange(page)).view(5, 64)
     kv = random_cache(5 * 64, kv_heads, dim, dtype, gen, page)
     batch = build_attention_batch(torch.tensor(q_lens), torch.tensor(kv_lens), torch.tensor(rows), table,
-                                  max(q_lens), max(kv_lens), kv)
+                                  max(q_lens), max(kv_lens), kv, tokens=sum(q_lens))
     qkv = torch.randn(sum(q_lens), (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     inv_freq = RotaryEmbedding(dim, {"rope_type": "default", "rope_theta": 10000.0}).inv_freq
     q_norm = None
@@ -346,7 +346,7 @@ def test_a_verify_run_attends_as_its_decode_steps_would(dtype, heads, kv_heads, 
 
     def attend(cache: KVCache, first: int, tokens: int) -> torch.Tensor:
         batch = build_attention_batch(torch.tensor([tokens]), torch.tensor([cached + first + tokens]),
-                                      torch.tensor([0]), table, tokens, cached + run, cache)
+                                      torch.tensor([0]), table, tokens, cached + run, cache, tokens=tokens)
         return native_attention(qkv[first:first + tokens], heads, kv_heads, dim, cache, batch, inv_freq)
 
     whole_kv, steps_kv = copy_of(kv), copy_of(kv)

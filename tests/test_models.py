@@ -680,7 +680,8 @@ def test_chain_step_batch_attends_like_the_general_builder():
     positions = torch.tensor([5, 11])
     q, k, v = (torch.randn(2, h, 8, generator=gen) for h in (4, 2, 2))
     outs = []
-    for batch in (build_attention_batch(torch.ones(2, dtype=torch.long), positions + 1, rows, table, 1, 14, kv),
+    ones = torch.ones(2, dtype=torch.long)
+    for batch in (build_attention_batch(ones, positions + 1, rows, table, 1, 14, kv, tokens=2),
                   chain_step_batch(positions, table[rows, :14], kv)):
         snapshot = KVCache(k=[kv.k[0].clone()], v=[kv.v[0].clone()])
         outs.append(paged_attention(q, k, v, 0, batch.with_kv(snapshot), 8 ** -0.5))
@@ -698,14 +699,15 @@ def test_decodes_and_prompt_chunks_attend_apart_like_one_padded_batch():
     table = torch.randperm(256, generator=gen)[:240].view(4, 60)
     q_lens, kv_lens, rows = [1, 9, 1, 4], [30, 9, 51, 20], [3, 0, 2, 1]      # decode, chunk, decode, chunk
     groups = attention_groups(q_lens, kv_lens, "cpu")
-    assert [(seqs.tolist(), q, k) for seqs, q, k in groups] == [([0, 2], 1, 51), ([1, 3], 9, 20)]
+    assert [(g.seqs.tolist(), g.max_q, g.max_k, g.tokens) for g in groups] == [([0, 2], 1, 51, 2), ([1, 3], 9, 20, 13)]
     assert attention_groups([1, 1], [5, 9], "cpu") is None and attention_groups([3, 4], [5, 9], "cpu") is None
     tokens = sum(q_lens)
     q, k, v = (torch.randn(tokens, h, 8, generator=gen) for h in (4, 2, 2))
     long = lambda values: torch.tensor(values)  # noqa: E731
     outs = []
     for split in (None, groups):
-        batch = build_attention_batch(long(q_lens), long(kv_lens), long(rows), table, 9, 51, kv, groups=split)
+        batch = build_attention_batch(long(q_lens), long(kv_lens), long(rows), table, 9, 51, kv, groups=split,
+                                      tokens=tokens)
         assert len(batch.parts) == (1 if split is None else 2)
         snapshot = KVCache(k=[kv.k[0].clone()], v=[kv.v[0].clone()])
         outs.append(paged_attention(q, k, v, 0, batch.with_kv(snapshot), 8 ** -0.5))

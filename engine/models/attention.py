@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -155,8 +155,13 @@ class AttentionBatch:
         return self.built[2]
 
 
-# A group of a batch's sequences: (their indices [G] on the cache's device, max q_len, max kv_len among them).
-Group = tuple[torch.Tensor, int, int]
+class Group(NamedTuple):
+    """Some of a batch's sequences, padded apart: their indices [G] on the cache's device, the widest
+    q_len and kv_len among them, and their token count (host-known, so nothing waits for the device)."""
+    seqs: torch.Tensor
+    max_q: int
+    max_k: int
+    tokens: int
 
 
 def attention_groups(q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> list[Group] | None:
@@ -166,60 +171,74 @@ def attention_groups(q_lens: list[int], kv_lens: list[int], device: torch.device
     if not single or len(single) == len(q_lens):
         return None
     chunks = [i for i, q in enumerate(q_lens) if q > 1]
-    return [(torch.tensor(single, dtype=torch.long, device=device), 1, max(kv_lens[i] for i in single)),
-            (torch.tensor(chunks, dtype=torch.long, device=device), max(q_lens[i] for i in chunks),
-             max(kv_lens[i] for i in chunks))]
+    return [Group(torch.tensor(single, dtype=torch.long, device=device), 1, max(kv_lens[i] for i in single),
+                  len(single)),
+            Group(torch.tensor(chunks, dtype=torch.long, device=device), max(q_lens[i] for i in chunks),
+                  max(kv_lens[i] for i in chunks), sum(q_lens[i] for i in chunks))]
 
 
 def build_attention_batch(q_lens: torch.Tensor, kv_lens: torch.Tensor, req_rows: torch.Tensor,
                           req_to_slot: torch.Tensor, max_q: int, max_k: int,
-                          kv: KVCache, groups: list[Group] | None = None) -> AttentionBatch:
+                          kv: KVCache, groups: list[Group] | None = None, *, tokens: int) -> AttentionBatch:
     """q_lens, kv_lens, req_rows: [B] long tensors on the cache's device; kv_lens count
     the new tokens too. req_to_slot: [rows, context] slot table. max_q >= q_lens.max(),
-    max_k >= kv_lens.max(). groups (from attention_groups): parts padded apart."""
+    max_k >= kv_lens.max(), tokens == q_lens.sum() (host-known: the real tokens are then found
+    by arithmetic, never by a boolean mask whose size an accelerator would have to report).
+    groups (from attention_groups): parts padded apart."""
     q_start = torch.cumsum(q_lens, 0) - q_lens                       # [B]
     layout = SeqLayout(q_start=q_start, q_lens=q_lens, kv_lens=kv_lens, rows=req_rows, table=req_to_slot,
                        max_q=max_q)
 
     def build() -> Built:
-        batch = q_lens.shape[0]
         first_pos = kv_lens - q_lens                                 # [B]
-        grid = QueryGrid.of(q_lens, first_pos, max_q)
-        positions = grid.positions()
-        seq_of_token = torch.arange(batch, device=q_lens.device).repeat_interleave(max_q)[grid.flat_valid]
-        write_slots = req_to_slot[req_rows[seq_of_token], positions]
+        seq, offset = token_seqs(q_lens, max_q, tokens)
+        positions = first_pos[seq] + offset if offset is not None else first_pos
+        write_slots = req_to_slot[req_rows[seq], positions]
         page = kv.page_size
         if groups is None:
-            parts = [attention_part(grid, q_start, q_lens, kv_lens, req_rows, req_to_slot,
-                                    padded_width(max_k, page), page, subset=False)]
+            parts = [attention_part(QueryGrid.of(q_lens, first_pos, max_q, (seq, offset)), q_start, q_lens, kv_lens,
+                                    req_rows, req_to_slot, padded_width(max_k, page), page, subset=False)]
         else:
-            parts = [attention_part(QueryGrid.of(q_lens[seqs], first_pos[seqs], group_q), q_start[seqs],
-                                    q_lens[seqs], kv_lens[seqs], req_rows[seqs], req_to_slot,
-                                    padded_width(group_k, page), page, subset=True)
-                     for seqs, group_q, group_k in groups]
+            parts = [attention_part(QueryGrid.of(q_lens[g.seqs], first_pos[g.seqs], g.max_q,
+                                                 token_seqs(q_lens[g.seqs], g.max_q, g.tokens)),
+                                    q_start[g.seqs], q_lens[g.seqs], kv_lens[g.seqs], req_rows[g.seqs], req_to_slot,
+                                    padded_width(g.max_k, page), page, subset=True)
+                     for g in groups]
         return positions, write_slots, parts
     return AttentionBatch(kv, layout, build)
+
+
+def token_seqs(q_lens: torch.Tensor, max_q: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each of the `tokens` real tokens' sequence and its offset in it, in token order, by arithmetic
+    (a boolean mask of the padded grid would make an accelerator report its size). One token in
+    every sequence (decodes): token b is sequence b, offset None (0)."""
+    device = q_lens.device
+    if max_q == 1 and tokens == q_lens.shape[0]:
+        return torch.arange(tokens, device=device), None
+    # output_size: repeat_interleave would otherwise read the total from the device
+    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=device), q_lens, output_size=tokens)
+    return seq, torch.arange(tokens, device=device) - (torch.cumsum(q_lens, 0) - q_lens)[seq]
 
 
 @dataclass
 class QueryGrid:
     """Sequences [G] padded to Q queries: q_idx [Q], valid [G, Q] (a real token), pos [G, Q] (its
-    position; 0 for padding) and valid flattened."""
+    position; 0 for padding); flat [T]: each real token's place in the flattened [G*Q] grid, in
+    token order."""
     q_idx: torch.Tensor
     valid: torch.Tensor
     pos: torch.Tensor
-    flat_valid: torch.Tensor
+    flat: torch.Tensor
 
     @classmethod
-    def of(cls, q_lens: torch.Tensor, first_pos: torch.Tensor, max_q: int) -> "QueryGrid":
+    def of(cls, q_lens: torch.Tensor, first_pos: torch.Tensor, max_q: int,
+           seqs: tuple[torch.Tensor, torch.Tensor | None]) -> "QueryGrid":
+        """seqs: token_seqs of these sequences."""
         q_idx = torch.arange(max_q, device=q_lens.device)
         valid = q_idx[None, :] < q_lens[:, None]
         pos = torch.where(valid, first_pos[:, None] + q_idx[None, :], torch.zeros_like(valid, dtype=torch.long))
-        return cls(q_idx=q_idx, valid=valid, pos=pos, flat_valid=valid.reshape(-1))
-
-    def positions(self) -> torch.Tensor:
-        """The real tokens' positions, in token order [T]."""
-        return self.pos.reshape(-1)[self.flat_valid]
+        seq, offset = seqs
+        return cls(q_idx=q_idx, valid=valid, pos=pos, flat=seq * max_q + offset if offset is not None else seq)
 
 
 def attention_part(grid: QueryGrid, q_start: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
@@ -229,15 +248,14 @@ def attention_part(grid: QueryGrid, q_start: torch.Tensor, q_lens: torch.Tensor,
     device = q_lens.device
     last_row = (q_start + q_lens - 1).clamp(min=0)
     query_rows = torch.where(grid.valid, q_start[:, None] + grid.q_idx[None, :], last_row[:, None])
-    token_rows = torch.arange(grid.flat_valid.shape[0], device=device)[grid.flat_valid]
     k_idx = torch.arange(max_k, device=device)
     read_slots = req_to_slot[:, :max_k].index_select(0, req_rows)
     visible_k = k_idx[None, :] < kv_lens[:, None]                    # [G, K]
     read_slots = torch.where(visible_k, read_slots, torch.zeros_like(read_slots))
     causal = k_idx[None, None, :] <= grid.pos[:, :, None]            # [G, Q, K]
     mask = (causal & visible_k[:, None, :]).unsqueeze(1)
-    return AttentionPart(read_slots=read_slots, query_rows=query_rows, mask=mask, token_rows=token_rows,
-                         out_rows=query_rows.reshape(-1)[grid.flat_valid] if subset else None,
+    return AttentionPart(read_slots=read_slots, query_rows=query_rows, mask=mask, token_rows=grid.flat,
+                         out_rows=query_rows.reshape(-1)[grid.flat] if subset else None,
                          read_pages=pages_of(read_slots, page_size))
 
 

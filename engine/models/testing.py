@@ -47,7 +47,7 @@ class PagedRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
         batch = build_attention_batch(as_long(q_lens), as_long(kv_lens), as_long(rows), self.req_to_slot,
                                       max_q=max(q_lens), max_k=max(kv_lens), kv=self.kv,
-                                      groups=attention_groups(q_lens, kv_lens, self.device))
+                                      groups=attention_groups(q_lens, kv_lens, self.device), tokens=sum(q_lens))
         input_ids = as_long([token for _, tokens in chunks for token in tokens])
         return input_ids, batch
 
