@@ -52,7 +52,7 @@ EXPLORE_RUN = 4         # ... for this many launches ...
 EXPLORE_COST = 0.01     # ... so that exploring loses about this share of the bucket's time
 WINDOW = 12             # launches a mode's estimate spans
 CLIP = 4.0              # a launch counts no more seconds than this many times its window's lower median
-WARM = 2                # decode launches each mode is measured over before the gate chooses
+WARM = 4                # decode launches each mode is measured over before the gate chooses (as many as a run)
 
 
 def bucket_of(rows: int) -> int:

@@ -168,16 +168,23 @@ class SpeculativeDecoding(DecodePolicy):
             self.feed_spec(sched, batch, req)
         return True
 
+    def gate_chose_plain(self, decodes: list[Request]) -> bool:
+        """Is this plain launch the gate's mode for its batch size: the gate chose it, or the batch has
+        requests behind where the gate has settled on plain anyway? Such a launch counts towards the
+        bucket's next exploration and is charged to plain as it runs: a run the head skips (`aside`) is
+        what plain decoding costs once settled, and what speculation must beat to come back."""
+        if self.plain_now == "gate":
+            return True
+        return self.plain_now == "behind" and self.gated(decodes) and self.gate.settled_plain(len(decodes))
+
     def plan_plain(self, sched: "Scheduler", batch: ScheduledBatch, decodes: list[Request], most_wanted: int) -> bool:
         """Decodes without speculation: one token each with prompt chunks, or, when no prompt is
         waiting, a run of up to `rounds` steps (True: the batch is complete)."""
         steps = 1 if self.rounds < 2 or sched.prefill_ready() else self.plain_run_steps(sched, decodes, most_wanted)
         self.count_plain(steps)
-        if self.plain_now == "gate":
+        if self.gate_chose_plain(decodes):
             self.gate.fed(len(decodes), speculative=False)
-            # a run the draft does not read (`aside`) costs less than the plain steps the gate compares
-            # with speculation, which keep the draft current
-            batch.spec.gate_rows = 0 if self.aside_now else len(decodes)
+            batch.spec.gate_rows = len(decodes)
         if steps == 1:
             for req in decodes:
                 self.feed_plain(sched, batch, req)                   # prompt chunks may join

@@ -46,7 +46,8 @@ def test_the_harness_counts_host_reads_of_device_tensors_only():
         moved = host.to(PRETEND)
         derived.sum().item(), bool(moved.any()), derived.tolist(), derived.cpu(), derived[derived > 4]
         moved[moved > 1] = 0
-        on_device.repeat_interleave(moved), host.repeat_interleave(host), host.repeat_interleave(torch.ones_like(moved), output_size=6)
+        on_device.repeat_interleave(moved), host.repeat_interleave(host)
+        host.repeat_interleave(torch.ones_like(moved), output_size=6)
     syncs.counting(work)
     assert [read.split(" at ")[0] for read in syncs.reads] == [
         "item", "__bool__", "tolist", "cpu", "__getitem__ with a boolean mask", "__setitem__ with a boolean mask",

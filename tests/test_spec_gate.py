@@ -158,7 +158,7 @@ def test_plain_explores_speculation_in_runs_and_a_rise_in_acceptance_turns_it_ba
         spec_launch(gate, 1, ms_per_round=3.0, tokens_per_round=5.0)
         launches += 1
         gate.speculate(1)
-    assert gate.buckets[0].speculating and launches == 2     # over a window: not on one launch, but soon
+    assert gate.buckets[0].speculating and 1 < launches <= EXPLORE_RUN   # over a window, within a run
     assert feed(gate, 1, EXPLORE_EVERY) == [True] * EXPLORE_EVERY
     assert not gate.buckets[0].exploring()
 
@@ -343,6 +343,33 @@ def test_prompts_go_unread_where_plain_is_settled_but_one_batch_in_explore_every
     skipped = [gate.skip_prompts(5) for _ in range(every + 1)]
     assert skipped == [True] * every + [False]
     assert gate.speculate(4)                          # the prompts read explore speculation
+
+
+def test_runs_of_requests_behind_count_towards_the_next_exploration_and_are_charged_to_plain():
+    """Where a bucket has settled on plain, its requests are behind and decode plainly whatever the gate
+    says: each such run is still the bucket's plain launch, so it brings the next exploration nearer (one
+    request after another at concurrency 1 would otherwise explore only once per `every` prompts) and is
+    charged to plain as it ran, the head skipping it: what speculation must beat to come back."""
+    gate = SpecGate()
+    warm(gate, 1, spec_ms=3.0, tokens_per_round=1.2, plain_ms=1.0)
+    assert not gate.speculate(1) and gate.settled_plain(1)
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=4, gate=gate, draft_falls_behind=True)
+    sched = make(spec)
+    bucket = gate.buckets[0]
+    every = bucket.explore_after()
+    req = prefilled(sched, "g", [1, 2, 3], SamplingParams(max_new_tokens=4 * every, temperature=0, ignore_eos=True))
+    assert req.decode.behind and bucket.since_other == 1                     # its prompt went unread
+    for launch in range(2, every):
+        run = sched.schedule()
+        assert not run.is_spec_decode and run.spec.draft_skip and run.spec.gate_rows == 1
+        spec.observe_launch(run, 0.004, run.steps, StepOutput(tokens=[[5] * run.steps]), cycle=0.004)
+        sched.process(run, StepOutput(tokens=[[5] * run.steps]))
+        assert bucket.since_other == launch
+    assert bucket.plain[-1] == (0.004, 4.0) and bucket.explore_after() == every    # charged: 4 steps in 4 ms
+    assert not bucket.exploring()
+    sched.schedule()
+    assert bucket.exploring()                                   # due: the next prompt is read and explores
+    assert not gate.skip_prompts(1)
 
 
 def test_the_fixed_rule_comes_first_and_counts_apart():
