@@ -349,16 +349,20 @@ def ab_ratios(rows: list[dict], configs: list[str], suffix: str) -> list[dict]:
     return out
 
 
-def paired_to_reference(rows: list[dict], names: list[str]) -> list[dict]:
-    """Each config's output tok/s over the first config's, round by round (bench/paired.py)."""
+def paired_to_reference(rows: list[dict], configs: list[str], suffixes: list[str]) -> list[dict]:
+    """Each config's output tok/s over the first config's from the same tree (a suffix: "" for the working
+    tree, "@<short>" for --checkout's), round by round (bench/paired.py)."""
     runs_of = {(r["config"], r["max_concurrency"]): r.get("runs", []) for r in rows}
     out = []
     for concurrency in sorted({c for _, c in runs_of}):
-        for name in names[1:]:
-            pair = paired(runs_of.get((name, concurrency), []), runs_of.get((names[0], concurrency), []),
-                          "output_throughput")
-            if pair:
-                out.append({"config": name, "against": names[0], "max_concurrency": concurrency, **pair.record()})
+        for suffix in suffixes:
+            reference = configs[0] + suffix
+            for name in (config + suffix for config in configs[1:]):
+                pair = paired(runs_of.get((name, concurrency), []), runs_of.get((reference, concurrency), []),
+                              "output_throughput")
+                if pair:
+                    out.append({"config": name, "against": reference, "max_concurrency": concurrency,
+                                **pair.record()})
     return out
 
 
@@ -579,8 +583,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     names = [s.name for s in servers if s.name not in failed]
     print_table(rows, names, args.rounds)
-    pairs = paired_to_reference(rows, names)
-    ab = ab_ratios(rows, [name for name, _ in args.config], old_tree.suffix) if old_tree else None
+    configs = [name for name, _ in args.config]
+    pairs = paired_to_reference(rows, configs, ["", old_tree.suffix] if old_tree else [""])
+    ab = ab_ratios(rows, configs, old_tree.suffix) if old_tree else None
     if ab:
         print_ab_table(rows, ab, old_tree.short)
         pairs += [{"config": e["config"], "against": e["against"], "max_concurrency": e["max_concurrency"],

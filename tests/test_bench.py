@@ -454,6 +454,22 @@ def test_paired_ratios_follow_rounds_that_drift_together():
     assert paired([{"tok": None}] * 3, old[:3], "tok") is None
 
 
+def test_trace_spans_merges_steps_of_a_kind_and_compares_labels(tmp_path):
+    from bench import trace_spans
+    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": 3},
+              {"name": "forward 7", "ph": "X", "pid": 0, "tid": 3, "ts": 0.0, "dur": 10.0},
+              {"name": "forward 8", "ph": "X", "pid": 0, "tid": 3, "ts": 20.0, "dur": 30.0},
+              {"name": "schedule 8", "ph": "X", "pid": 0, "tid": 1, "ts": 5.0, "dur": 2.0}]
+    path = tmp_path / "t.json"
+    path.write_text("[\n" + "".join(json.dumps(e) + ",\n" for e in events))       # cut short, as after a crash
+    got = trace_spans.summary(trace_spans.spans(path))
+    assert got["device/forward"] == (20.0, 2, 0.04) and got["schedule/schedule"] == (2.0, 1, 0.002)
+    assert got["run/wall"][0] == 50.0
+    result = cli("bench/trace_spans.py", f"a={path}", f"b={path}")
+    assert result.returncode == 0 and "device/forward" in result.stdout and "b: median" in result.stdout
+    assert cli("bench/trace_spans.py", str(path)).returncode == 2
+
+
 def test_compare_reports_a_server_that_never_gets_healthy_and_measures_the_rest(tokenizer_dir, tmp_path):
     out = tmp_path / "compare.jsonl"
     result = cli("bench/compare.py", "--server-script", "tests/test_bench.py", "--tokenizer", str(tokenizer_dir),
