@@ -22,8 +22,14 @@ it). A bucket that speculates turns plain once the ratio speculative / plain fal
 and speculates again once it rises above RETURN: between the two a bucket keeps its mode, so noise
 in the estimates does not flip it launch after launch.
 
+A switch needs the other mode's rate from the chosen mode's time: where the other mode was last
+measured a whole WINDOW of the chosen mode's launches ago, the gate explores it at once and decides
+on what that run measures (a machine whose speed drifts would otherwise read a slow spell of the
+chosen mode as the other one winning).
+
 A bucket first measures each mode over WARM decode launches (speculation first); then the mode not
-chosen still runs EXPLORE_RUN launches after every so many of the bucket's, so that a change in
+chosen still runs EXPLORE_RUN launches after every so many of the bucket's (the first time after
+EXPLORE_EVERY: a fresh server's first launches are the least like the rest), so that a change in
 acceptance (text that drafts better) or in cost (longer contexts, more load) is noticed. How many:
 enough that exploring costs about EXPLORE_COST of the bucket's time at the rates measured (a mode that
 loses by 40% is tried less often than one that loses by 5%), within EXPLORE_EVERY..EXPLORE_MAX. Runs, not
@@ -92,6 +98,21 @@ class Bucket:
     speculating: bool = True             # the mode chosen (exploration aside)
     since_other: int = 0                 # launches fed in the chosen mode since the other one ran
     explored: int = 0                    # launches of the exploration under way fed
+    explored_once: bool = False          # a run of the other mode after the first choice has completed
+    spec_age: int = 0                    # plain launches charged since the last speculative one, and back
+    plain_age: int = 0
+
+    def charged(self, speculative: bool, charge: Charge) -> None:
+        (self.spec if speculative else self.plain).append(charge)
+        if speculative:
+            self.spec_age, self.plain_age = 0, self.plain_age + 1
+        else:
+            self.plain_age, self.spec_age = 0, self.spec_age + 1
+
+    def other_is_stale(self) -> bool:
+        """Is the mode not chosen known only from before the chosen mode's whole window? Its rate is then
+        from another moment of a machine whose speed drifts, and not to be switched to on its own."""
+        return (self.plain_age if self.speculating else self.spec_age) >= WINDOW
 
     def spec_rate(self) -> float | None:
         """Expected tokens per second of a request while speculating (None: not measured)."""
@@ -101,9 +122,10 @@ class Bucket:
         return rate(self.plain)
 
     def explore_after(self) -> int:
-        """Launches in the chosen mode before the other one runs EXPLORE_RUN launches."""
+        """Launches in the chosen mode before the other one runs EXPLORE_RUN launches. The first time soon:
+        the first choice rests on a fresh server's first launches, the least like the ones after."""
         spec, plain = self.spec_rate(), self.plain_rate()
-        if not spec or not plain:
+        if not spec or not plain or not self.explored_once:
             return EXPLORE_EVERY
         loss = 1 - (plain / spec if self.speculating else spec / plain)
         return min(EXPLORE_MAX, max(EXPLORE_EVERY, round(EXPLORE_RUN * loss / EXPLORE_COST)))
@@ -141,7 +163,10 @@ class SpecGate:
             return warming
         spec, plain = bucket.spec_rate(), bucket.plain_rate()
         if bucket.speculating and spec < LEAVE * plain or not bucket.speculating and spec > RETURN * plain:
-            bucket.speculating, bucket.since_other, bucket.explored = not bucket.speculating, 0, 0
+            if not bucket.other_is_stale():
+                bucket.speculating, bucket.since_other, bucket.explored = not bucket.speculating, 0, 0
+            elif not bucket.exploring():         # measure the other mode now, then decide
+                bucket.since_other = EXPLORE_MAX
         if bucket.exploring():
             return not bucket.speculating
         return bucket.speculating
@@ -177,6 +202,7 @@ class SpecGate:
         self.explorations += 1
         if bucket.explored >= EXPLORE_RUN:
             bucket.since_other = bucket.explored = 0
+            bucket.explored_once = True
 
     def observe(self, rows: int, speculative: bool, seconds: float, steps: int, tokens: int = 0) -> None:
         """A decode launch of `rows` all-greedy requests ran `steps` steps (rounds) in a cycle of
@@ -185,16 +211,16 @@ class SpecGate:
             return
         bucket = self.buckets[bucket_of(rows)]
         if speculative:
-            bucket.spec.append(Charge(seconds / rows, tokens / rows))
+            bucket.charged(True, Charge(seconds / rows, tokens / rows))
             bucket.spec_launches = min(WARM, bucket.spec_launches + 1)
         else:
-            bucket.plain.append(Charge(seconds / rows, float(steps)))
+            bucket.charged(False, Charge(seconds / rows, float(steps)))
             bucket.plain_launches = min(WARM, bucket.plain_launches + 1)
 
     def waited(self, rows: int, seconds: float) -> None:
         """`rows` speculating all-greedy requests waited a cycle of `seconds` for a prefill launch."""
         if rows >= 1 and seconds > 0:
-            self.buckets[bucket_of(rows)].spec.append(Charge(seconds / rows, 0.0))
+            self.buckets[bucket_of(rows)].charged(True, Charge(seconds / rows, 0.0))
 
     def estimates(self) -> list[Estimate]:
         """Every bucket that measured something."""

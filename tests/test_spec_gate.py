@@ -72,10 +72,23 @@ def test_each_mode_is_measured_first_speculation_first_then_the_faster_wins():
     assert estimate.spec_tokens_per_s == pytest.approx(800) and estimate.plain_tokens_per_s == pytest.approx(1000)
 
 
-def warm(gate: SpecGate, rows: int, spec_ms: float, tokens_per_round: float, plain_ms: float) -> None:
+def warm(gate: SpecGate, rows: int, spec_ms: float, tokens_per_round: float, plain_ms: float,
+         explored: bool = True) -> None:
+    """Both modes measured in `rows`' bucket; explored: as after its first exploration (which comes early)."""
     for _ in range(WARM):
         spec_launch(gate, rows, ms_per_round=spec_ms, tokens_per_round=tokens_per_round)
         plain_launch(gate, rows, ms_per_step=plain_ms)
+    gate.buckets[bucket_of(rows)].explored_once = explored
+
+
+def test_the_first_exploration_comes_early_then_as_the_loss_says():
+    """The first choice rests on a fresh server's first launches: the other mode is measured again after
+    EXPLORE_EVERY launches, and only then as rarely as its loss allows."""
+    gate = SpecGate()
+    warm(gate, 1, spec_ms=1.0, tokens_per_round=1.0, plain_ms=3.0, explored=False)     # plain loses 2/3
+    assert gate.speculate(1) and gate.buckets[0].explore_after() == EXPLORE_EVERY
+    assert feed(gate, 1, EXPLORE_EVERY + EXPLORE_RUN) == [True] * EXPLORE_EVERY + [False] * EXPLORE_RUN
+    assert gate.buckets[0].explored_once and gate.buckets[0].explore_after() == EXPLORE_MAX
 
 
 def test_speculation_stays_where_it_pays():
@@ -126,6 +139,25 @@ def test_hysteresis_keeps_the_mode_between_the_two_thresholds():
     for _ in range(WINDOW):                          # above RETURN: speculation again
         plain_launch(gate, 1, ms_per_step=RETURN + 0.01)
     assert gate.speculate(1)
+
+
+@pytest.mark.parametrize("plain_now_ms,keeps_speculating", [(3.0, True), (1.0, False)])
+def test_a_stale_other_mode_is_measured_again_before_a_switch(plain_now_ms, keeps_speculating):
+    """Speculation slows 3x after plain was last measured (a whole window ago): the gate does not switch
+    on the stale plain rate, it explores plain at once. If plain slowed too (the machine did), speculation
+    stays; if plain is as fast as before (speculation itself got worse), the bucket turns plain."""
+    gate = SpecGate()
+    warm(gate, 1, spec_ms=1.0, tokens_per_round=2.0, plain_ms=1.0)
+    bucket = gate.buckets[0]
+    assert gate.speculate(1)
+    for _ in range(WINDOW):
+        spec_launch(gate, 1, ms_per_round=3.0, tokens_per_round=2.0)
+    assert bucket.spec_rate() < LEAVE * bucket.plain_rate() and bucket.other_is_stale()
+    assert feed(gate, 1, EXPLORE_RUN) == [False] * EXPLORE_RUN and bucket.speculating    # measuring plain again
+    for _ in range(EXPLORE_RUN):
+        plain_launch(gate, 1, ms_per_step=plain_now_ms)
+    assert not bucket.other_is_stale()
+    assert gate.speculate(1) == keeps_speculating and bucket.speculating == keeps_speculating
 
 
 def test_one_slow_launch_does_not_flip_a_bucket():
