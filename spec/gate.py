@@ -11,6 +11,9 @@ the last WINDOW launches charged to that mode, each as seconds and tokens per re
   plain         its decode launches (one token a row and step), prompt chunks beside them included:
                 what plain decoding does with an arrival is fold it into a decode step
 
+A launch that served prompts too counts no more seconds than its mode's typical launch (Bucket.charged):
+the prompts' time is paid in either mode.
+
 Seconds are a launch's cycle (engine/core.py): from the end of the launch before it on the device to
 its own end, so that time the device waited for the loop to prepare a launch counts against its mode
 (a speculative round asks more of the loop than a plain step), and so does work deferred to it (an
@@ -102,8 +105,15 @@ class Bucket:
     spec_age: int = 0                    # plain launches charged since the last speculative one, and back
     plain_age: int = 0
 
-    def charged(self, speculative: bool, charge: Charge) -> None:
-        (self.spec if speculative else self.plain).append(charge)
+    def charged(self, speculative: bool, charge: Charge, one_launch: bool = False) -> None:
+        """one_launch: a launch that served prompts too (a prefill the decodes waited for, or plain steps
+        with prompt chunks beside them) counts no more seconds than the mode's typical launch. Its length
+        is the prompts' (each mode pays it); what the mode costs there is one launch of its own or one
+        step folded in: a burst of prompts must not read as one mode decoding slowly."""
+        window = self.spec if speculative else self.plain
+        if one_launch and window:
+            charge = Charge(min(charge.seconds, median_low(c.seconds for c in window)), charge.tokens)
+        window.append(charge)
         if speculative:
             self.spec_age, self.plain_age = 0, self.plain_age + 1
         else:
@@ -204,9 +214,11 @@ class SpecGate:
             bucket.since_other = bucket.explored = 0
             bucket.explored_once = True
 
-    def observe(self, rows: int, speculative: bool, seconds: float, steps: int, tokens: int = 0) -> None:
+    def observe(self, rows: int, speculative: bool, seconds: float, steps: int, tokens: int = 0,
+                beside_prompts: bool = False) -> None:
         """A decode launch of `rows` all-greedy requests ran `steps` steps (rounds) in a cycle of
-        `seconds`; speculative: its rows emitted `tokens` in all (plain: one a row and step)."""
+        `seconds`; speculative: its rows emitted `tokens` in all (plain: one a row and step);
+        beside_prompts: prompt chunks shared the launch (Bucket.charged: one_launch)."""
         if rows < 1 or steps < 1 or seconds <= 0:
             return
         bucket = self.buckets[bucket_of(rows)]
@@ -214,13 +226,13 @@ class SpecGate:
             bucket.charged(True, Charge(seconds / rows, tokens / rows))
             bucket.spec_launches = min(WARM, bucket.spec_launches + 1)
         else:
-            bucket.charged(False, Charge(seconds / rows, float(steps)))
+            bucket.charged(False, Charge(seconds / rows, float(steps)), one_launch=beside_prompts)
             bucket.plain_launches = min(WARM, bucket.plain_launches + 1)
 
     def waited(self, rows: int, seconds: float) -> None:
         """`rows` speculating all-greedy requests waited a cycle of `seconds` for a prefill launch."""
         if rows >= 1 and seconds > 0:
-            self.buckets[bucket_of(rows)].charged(True, Charge(seconds / rows, 0.0))
+            self.buckets[bucket_of(rows)].charged(True, Charge(seconds / rows, 0.0), one_launch=True)
 
     def estimates(self) -> list[Estimate]:
         """Every bucket that measured something."""

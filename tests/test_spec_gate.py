@@ -126,6 +126,23 @@ def test_the_prefill_launches_speculative_decodes_wait_for_count_against_specula
     assert gate.buckets[0].spec_rate() is None and not gate.buckets[0].spec
 
 
+def test_a_burst_of_prompts_costs_each_mode_one_launch_not_the_prompts_time():
+    """A lone decoding request while fifteen prompts are read: speculating, it waits for their 60 ms
+    prefill; plain, its step is folded into it. The prompts' time is paid either way: each mode is
+    charged one launch of its own there (its window's lower median), so a burst does not move a bucket
+    that serves one request at a time."""
+    gate = SpecGate()
+    warm(gate, 1, spec_ms=1.0, tokens_per_round=2.0, plain_ms=1.0)
+    bucket = gate.buckets[0]
+    spec, plain = bucket.spec_rate(), bucket.plain_rate()
+    gate.waited(1, 0.060)
+    gate.observe(1, False, 0.060, 1, beside_prompts=True)
+    assert bucket.spec[-1] == (0.004, 0.0) and bucket.plain[-1] == (0.004, 1.0)     # 4-round / 4-step launches
+    assert bucket.spec_rate() == pytest.approx(spec * 4 / 5) and bucket.plain_rate() == pytest.approx(plain * 17 / 20)
+    gate.observe(1, False, 0.060, 1)                 # a plain launch of decodes alone keeps its length (clipped at 4x)
+    assert bucket.plain[-1] == (0.060, 1.0)
+
+
 def test_hysteresis_keeps_the_mode_between_the_two_thresholds():
     gate = SpecGate()
     warm(gate, 1, spec_ms=1.0, tokens_per_round=1.0, plain_ms=LEAVE + 0.01)    # speculation just above LEAVE
@@ -273,8 +290,8 @@ class Charged(Scripted):
         super().__init__(modes)
         self.charges: list[tuple] = []
 
-    def observe(self, rows, speculative, seconds, steps, tokens=0):
-        self.charges.append(("spec" if speculative else "plain", rows, seconds, steps, tokens))
+    def observe(self, rows, speculative, seconds, steps, tokens=0, beside_prompts=False):
+        self.charges.append(("spec" if speculative else "plain", rows, seconds, steps, tokens, beside_prompts))
 
     def waited(self, rows, seconds):
         self.charges.append(("waited", rows, seconds))
@@ -302,7 +319,7 @@ def test_the_gate_is_charged_each_launch_of_its_mode_prompts_included():
     mixed = sched.schedule()                         # plain decodes fold the prompt into their step
     assert [s.req.rid for s in mixed.seqs] == ["a", "b", "c", "d"] and mixed.spec.gate_rows == 3
     spec.observe_launch(mixed, 0.006, 1, StepOutput(tokens=[[1], [1], [1], [1]]), cycle=0.007)
-    assert gate.charges == [("spec", 2, 0.02, 1, 3), ("waited", 2, 0.005), ("plain", 3, 0.007, 1, 0)]
+    assert gate.charges == [("spec", 2, 0.02, 1, 3, False), ("waited", 2, 0.005), ("plain", 3, 0.007, 1, 0, True)]
     sched.process(mixed, StepOutput(tokens=[[1], [1], [1], [1]]))
     sched.add("s", [1, 2], SamplingParams(max_new_tokens=40, temperature=0.8))
     gate.modes = [True]
