@@ -370,7 +370,7 @@ class SpeculativeDecoding(DecodePolicy):
         elif batch.is_spec_decode:
             return                       # a chain-0 step: a one-off on the way to plain steps
         elif any(seq.decode for seq in batch.seqs):
-            self.gate.observe(rows, False, cycle, rounds, beside_prompts=True)
+            self.gate.observe(rows, False, cycle, rounds, beside_prompts=not plain)
         else:
             self.gate.waited(rows, cycle)
 

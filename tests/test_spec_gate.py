@@ -419,6 +419,9 @@ def test_runs_of_requests_behind_count_towards_the_next_exploration_and_are_char
     sched.schedule()
     assert bucket.exploring()                                   # due: the next prompt is read and explores
     assert not gate.skip_prompts(1)
+    run = sched.schedule()                                      # a run of decodes alone keeps its whole cycle
+    spec.observe_launch(run, 0.006, run.steps, StepOutput(tokens=[[5] * run.steps]), cycle=0.006)
+    assert bucket.plain[-1] == (0.006, float(run.steps))
 
 
 def test_the_fixed_rule_comes_first_and_counts_apart():
