@@ -143,6 +143,20 @@ def test_a_burst_of_prompts_costs_each_mode_one_launch_not_the_prompts_time():
     assert bucket.plain[-1] == (0.060, 1.0)
 
 
+def test_exploring_speculation_in_a_batch_waits_for_requests_to_take_finished_rows_places():
+    """Rows that speculate finish unevenly: with nobody queued, a batch's last rows would run on alone.
+    A plain bucket of several rows explores speculation only while requests wait; one row at once."""
+    gate = SpecGate()
+    for rows in (1, 16):
+        warm(gate, rows, spec_ms=3.0, tokens_per_round=1.2, plain_ms=1.0)
+        assert not gate.speculate(rows)
+        feed(gate, rows, gate.buckets[bucket_of(rows)].explore_after())
+    assert gate.buckets[bucket_of(16)].exploring() and not gate.speculate(16, queued=False)
+    gate.fed(16, False)
+    assert gate.buckets[bucket_of(16)].exploring()                 # still due
+    assert gate.speculate(16, queued=True) and gate.speculate(1, queued=False)
+
+
 def test_hysteresis_keeps_the_mode_between_the_two_thresholds():
     gate = SpecGate()
     warm(gate, 1, spec_ms=1.0, tokens_per_round=1.0, plain_ms=LEAVE + 0.01)    # speculation just above LEAVE
@@ -222,7 +236,7 @@ class Scripted(SpecGate):
         super().__init__()
         self.modes, self.launches, self.settle_after = modes, 0, settle_after
 
-    def speculate(self, rows: int) -> bool:
+    def speculate(self, rows: int, queued: bool = True) -> bool:
         return self.modes[self.launches % len(self.modes)]
 
     def settled_plain(self, rows: int) -> bool:
