@@ -563,7 +563,8 @@ def test_compare_checkout_runs_both_trees_side_by_side(tmp_path):
     """Real servers (the embedded model, no speculation) from a worktree of HEAD and from the working tree.
     One decode step a launch: with several, a 4-token answer's last tokens often come in one chunk, and its
     median inter-token latency (a ratio below) is then 0. Even so, on a loaded machine the client can read
-    two tokens' events at once (CI, once in a 15-minute run): that ratio may be 0, the others may not."""
+    two tokens' events at once (CI, once in a 15-minute run): that ratio may be 0, the others may not.
+    `--cpu-kernels torch`: the worktree would build its own native kernels first (a minute of the suite)."""
     out, logs, where, probe = tmp_path / "compare.jsonl", tmp_path / "logs", tmp_path / "wt", tmp_path / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(IMPORT_PROBE)
@@ -572,7 +573,7 @@ def test_compare_checkout_runs_both_trees_side_by_side(tmp_path):
                            text=True).stdout.strip()
     result = subprocess.run(
         [sys.executable, "bench/compare.py", "--checkout", commit, "--checkout-dir", str(where),
-         "--config", "none=--speculative-algorithm none --num-scheduler-steps 1", "--rounds", "1",
+         "--config", "none=--speculative-algorithm none --num-scheduler-steps 1 --cpu-kernels torch", "--rounds", "1",
          "--max-concurrency", "1",
          "--num-prompts", "2", "--random-input-len", "16", "--random-output-len", "4", "--random-range-ratio", "1",
          "--warmup-requests", "0", "--output-file", str(out), "--log-dir", str(logs), "--health-timeout", "120"],
