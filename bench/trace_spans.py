@@ -13,11 +13,16 @@ import argparse
 import json
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.trace import TRACKS as TRACK_IDS  # noqa: E402
+
 STEP = re.compile(r" \d+$")          # a span's step number
-TRACKS = {1: "schedule", 2: "launch", 3: "device", 4: "process", 5: "transfer"}
+TRACKS = {tid: name for name, tid in TRACK_IDS.items()}
 
 
 def spans(path: Path) -> list[dict]:
@@ -35,7 +40,7 @@ def summary(events: list[dict]) -> dict[str, tuple[float, int, float]]:
         kind = re.sub(STEP, "", event["name"])
         by_kind[f"{TRACKS.get(event['tid'], event['tid'])}/{kind}"].append(event["dur"])
     out = {kind: (statistics.median(durs), len(durs), sum(durs) / 1e3) for kind, durs in by_kind.items()}
-    device = [e for e in events if e["tid"] == 3]
+    device = [e for e in events if e["tid"] == TRACK_IDS["device"]]
     if device:
         wall = max(e["ts"] + e["dur"] for e in device) - min(e["ts"] for e in device)
         out["run/wall"] = (wall, 1, wall / 1e3)

@@ -169,8 +169,7 @@ class SpecGate:
         """Should the next decode launch of `rows` all-greedy requests speculate? queued: requests wait for
         a place. Exploring speculation from a plain bucket of several rows waits for that: the rows it
         speculates for finish unevenly, and with no request to take a finished row's place the batch's
-        last rows run on alone, a cost the run's own launches do not show (a batch of 16 that started
-        together took ~15% longer after one)."""
+        last rows run on alone, a cost the run's own launches do not show (docs/speculation-gate.md)."""
         bucket = self.buckets[bucket_of(rows)]
         warming = bucket.warming()
         if warming is not None:

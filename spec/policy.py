@@ -88,7 +88,6 @@ class SpeculativeDecoding(DecodePolicy):
         self.plain_now: str | None = None       # why this step's decodes go plain: "load", "gate", "behind", or None
         self.aside_now = False                  # this step's batch is not read by the draft: its requests fall behind
         self.held = 0                           # greedy speculating decodes waiting for this step's prompts
-        self.queued = True                      # requests wait for a place (SpecGate.speculate)
 
     @property
     def k(self) -> int:
@@ -107,8 +106,7 @@ class SpeculativeDecoding(DecodePolicy):
         """Speculative decodes wait for a prefill batch; plain ones join it. Decides for the step
         whether its decodes go plain (plan_decodes keeps that)."""
         wanting = self.wanting(sched, decodes)
-        self.queued = bool(sched.waiting)
-        self.plain_now = self.plain_reason(wanting)
+        self.plain_now = self.plain_reason(wanting, queued=bool(sched.waiting))
         self.aside_now = self.aside(wanting)
         now = not sched.prefill_ready() or self.plain_now is not None
         self.held = len(wanting) if not now and self.gated(wanting) else 0
@@ -122,7 +120,7 @@ class SpeculativeDecoding(DecodePolicy):
         """Speculation is off: as many decoding requests as --speculative-disable-by-batch-size."""
         return self.off_batch_size > 0 and len(decodes) >= self.off_batch_size
 
-    def plain_reason(self, decodes: list[Request]) -> str | None:
+    def plain_reason(self, decodes: list[Request], queued: bool) -> str | None:
         """Why these decodes go without speculation: "load" (the fixed rule, which overrides the
         gate), "behind" (one of them can no longer draft), "gate" (an all-greedy batch the gate
         expects speculation to lose on), or None."""
@@ -132,7 +130,7 @@ class SpeculativeDecoding(DecodePolicy):
             return None
         if any(r.decode.behind for r in decodes):
             return "behind"
-        return None if self.gate.speculate(len(decodes), self.queued) else "gate"
+        return None if self.gate.speculate(len(decodes), queued) else "gate"
 
     def aside(self, decodes: list[Request]) -> bool:
         """Does speculation step aside for good for these decodes: the draft does not read their plain
