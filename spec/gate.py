@@ -84,8 +84,9 @@ class Charge(NamedTuple):
 
 
 def rate(window: deque[Charge]) -> float | None:
-    """Tokens per second of a request over the window (None: no decode launch in it)."""
-    if not any(charge.tokens for charge in window):
+    """Tokens per second of a request over the window (None: nothing charged). A window of waits alone
+    (speculative decodes that waited for prefill launches, arrival after arrival) emitted nothing: 0."""
+    if not window:
         return None
     limit = CLIP * median_low(charge.seconds for charge in window)
     return sum(charge.tokens for charge in window) / sum(min(charge.seconds, limit) for charge in window)

@@ -126,6 +126,23 @@ def test_the_prefill_launches_speculative_decodes_wait_for_count_against_specula
     assert gate.buckets[0].spec_rate() is None and not gate.buckets[0].spec
 
 
+def test_speculation_that_only_waited_for_a_whole_window_emitted_nothing():
+    """Arrival after arrival, a plain bucket's speculative exploration waits for prefill launches and never
+    decodes: its window holds waits alone. Its rate is then 0 (it emitted nothing), not unknown: the gate
+    keeps deciding (comparing an unknown rate took the rank down) and explores again soon."""
+    gate = SpecGate()
+    warm(gate, 1, spec_ms=4.0, tokens_per_round=1.0, plain_ms=1.0)      # plain wins
+    bucket = gate.buckets[0]
+    assert not gate.speculate(1)
+    for _ in range(WINDOW):
+        gate.waited(1, 2e-3)
+    assert not gate.speculate(1)
+    assert bucket.spec_rate() == 0.0 and bucket.explore_after() == EXPLORE_EVERY
+    assert [e.spec_tokens_per_s for e in gate.estimates()] == [0.0]
+    spec_launch(gate, 1, ms_per_round=1.0, tokens_per_round=3.0)        # an exploration that decoded
+    assert bucket.spec_rate() > 0
+
+
 def test_a_burst_of_prompts_costs_each_mode_one_launch_not_the_prompts_time():
     """A lone decoding request while fifteen prompts are read: speculating, it waits for their 60 ms
     prefill; plain, its step is folded into it. The prompts' time is paid either way: each mode is
