@@ -38,6 +38,9 @@ class DecodePolicy:
         """What the policy adds to a new batch (ScheduledBatch.spec; its decoding reads it: Decoding.plan_inputs)."""
         return None
 
+    def on_arrival(self) -> None:
+        """A prompt joined the queue (it waits for whatever launch is in flight)."""
+
     def is_decoding(self, req: Request) -> bool:
         """Past its prompt: fed one token (or one speculative run) per step."""
         return req.kv_len >= req.known_len - 1

@@ -75,6 +75,7 @@ class Scheduler:
             self.reserving.append(req)
         else:
             self.waiting.append(req)
+            self.policy.on_arrival()
         return None
 
     def reserve_remote(self) -> list[Request]:

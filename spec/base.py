@@ -29,6 +29,7 @@ import torch
 from engine.models.attention import KVCache, build_attention_batch, padded_width
 from engine.sampling import SamplingBatch, filtered_probs, seeded_noise
 from engine.step import StepInputs, StepResult, Target, step_result
+from spec.arrivals import Arrivals
 from spec.chains import Chain, ConfidenceTrim, expand
 from spec.decoder import SpecDecoder
 from engine.grammar_masks import mask_chain, settle_chain
@@ -90,6 +91,7 @@ class SpecWorker(SpecDecoder):
         # chains are trimmed per row (ConfidenceTrim, verify's widths) only where that costs no sync, and
         # not with graphs (whole chains: the shapes they captured)
         self.trims = target.device.free_host_reads and target.graphs is None
+        self.arrivals = Arrivals()
 
     def describe(self) -> str:
         """For the start-up log line."""

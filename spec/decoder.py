@@ -18,6 +18,7 @@ from engine.decoding import Decoding, Forward, nothing
 from engine.models.attention import build_attention_batch
 from engine.models.base import ModelOutput
 from engine.step import StepInputs, StepResult
+from spec.arrivals import Arrivals
 from spec.inputs import SpecInputs, long_tensor, round_inputs
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class SpecDecoder(Decoding):
     kv_len: torch.Tensor       # per row: tokens of the request in the KV cache (spec/base.py)
     bonus: torch.Tensor        # per row: the last emitted token, not yet in the cache
     trims: bool                # chains are trimmed per row
+    arrivals: Arrivals         # prompts queued, counted by the policy it makes: its launches yield to them
 
     @abstractmethod
     def decode_step(self, inp: StepInputs) -> StepResult:
@@ -57,7 +59,8 @@ class SpecDecoder(Decoding):
         # under DP attention every rank makes the same model calls a step: the draft reads what any rank runs
         falls_behind = self.falls_behind and not args.enable_dp_attention
         return SpeculativeDecoding(args.num_steps + 1, args.spec_off_batch_size, self.catches_up, rounds=steps,
-                                   budget=budget, gate=gate, draft_falls_behind=falls_behind)
+                                   budget=budget, gate=gate, draft_falls_behind=falls_behind,
+                                   arrivals=self.arrivals)
 
     def plan_inputs(self, batch: ScheduledBatch) -> SpecInputs:
         return SpecInputs.of_batch(batch)
@@ -86,11 +89,12 @@ class SpecDecoder(Decoding):
         (rows_ended): a round of ended rows emits nothing the host keeps (a launch planned while the
         one before ran cannot know that its requests end there). That holds for the first round too:
         under overlap a request's last launch is followed by one planned before its end was known,
-        which then runs no round at all."""
+        which then runs no round at all. An all-greedy launch also starts no further round once a
+        prompt has arrived since it was planned (spec/arrivals.py): the prompt waits for it."""
         if inp.steps > 1:
             rounds = []
             for i in range(inp.steps):
-                if self.trims and self.rows_ended(inp):
+                if self.trims and (self.rows_ended(inp) or rounds and self.arrivals.since(inp.spec.yield_at)):
                     break
                 rounds.append(self.decode_step(round_inputs(inp, i)))
             result = StepResult.of_rounds(rounds, inp.rows.numel())

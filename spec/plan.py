@@ -16,5 +16,6 @@ class SpecPlan:
     draft_next: list[int] = field(default_factory=list)   # prefill: the token after each chunk (-1: sampled)
     draft_skip: bool = False    # prefill: the draft model does not read these chunks (under load)
     no_decode: bool = False     # prefill: no request of it decodes here (each ends with its first token)
+    yield_at: int | None = None  # decode: the launch's rounds stop once arrivals pass this count (Arrivals)
     gate_rows: int = 0          # greedy decodes the gate chose this launch's mode for: in it, or (a prefill
                                 # batch) waiting for it; 0: the gate learns nothing from it (spec/gate.py)

@@ -50,6 +50,7 @@ from engine.batch import ScheduledBatch, SeqWork, StepOutput
 from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.request import Request, Status
+from spec.arrivals import Arrivals
 from spec.gate import SpecGate
 from spec.plan import SpecPlan
 
@@ -74,7 +75,8 @@ class SpecRecord:
 
 class SpeculativeDecoding(DecodePolicy):
     def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False, rounds: int = 1,
-                 budget: LaunchBudget | None = None, gate: SpecGate | None = None, draft_falls_behind: bool = False):
+                 budget: LaunchBudget | None = None, gate: SpecGate | None = None, draft_falls_behind: bool = False,
+                 arrivals: Arrivals | None = None):
         self.spec_tokens = spec_tokens          # k+1 positions per speculative step
         self.rounds = rounds                    # most steps a launch (--num-scheduler-steps)
         self.budget = budget or LaunchBudget(0)     # and those that fit in --max-launch-ms
@@ -83,6 +85,7 @@ class SpeculativeDecoding(DecodePolicy):
         self.catches_up = draft_catches_up      # the draft can skip prefill chunks and read them later
         self.falls_behind = draft_falls_behind  # it can skip them for good (an EAGLE head): see `aside`
         self.gate = gate                        # --speculative-adaptive (None: off)
+        self.arrivals = arrivals or Arrivals()  # prompts queued: a greedy launch of rounds yields to them
         self.off_steps = 0                      # decode steps without speculation (under load)
         self.gate_steps = 0                     # decode steps without speculation (the gate's choice)
         self.plain_now: str | None = None       # why this step's decodes go plain: "load", "gate", "behind", or None
@@ -98,6 +101,9 @@ class SpeculativeDecoding(DecodePolicy):
 
     def new_plan(self) -> SpecPlan:
         return SpecPlan()
+
+    def on_arrival(self) -> None:
+        self.arrivals.arrived()
 
     def is_decoding(self, req: Request) -> bool:
         return req.prefilled                 # its last chunk is launched: the device holds its spec state
@@ -161,6 +167,8 @@ class SpeculativeDecoding(DecodePolicy):
         batch.spec.decode = True
         batch.spec.chain = self.chain_length(decodes, most_wanted)
         batch.steps = self.batch_rounds(sched, decodes, batch.chain, most_wanted)
+        if batch.steps > 1 and all(r.params.greedy for r in decodes):       # spec/arrivals.py
+            batch.spec.yield_at = self.arrivals.count
         if batch.chain and self.gated(decodes):
             self.gate.fed(len(decodes), speculative=True)
             batch.spec.gate_rows = len(decodes)

@@ -469,3 +469,39 @@ async def test_a_launch_planned_past_its_requests_end_runs_no_round(algorithm, p
         engine.close()
     plain = await outputs(ONE_STEP, prompts[:2], params)
     assert [r.output_ids for r in reqs] == [o[0] for o in plain]
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "ngram"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
+async def test_a_greedy_launch_of_rounds_yields_to_a_prompt_that_arrives(algorithm, greedy, prompts):
+    """A prompt that arrives while a launch of eight speculative rounds is planned or runs would wait for
+    all eight (speculative decodes never share a launch with prompt chunks). An all-greedy launch starts
+    no round after the first once one has arrived (spec/arrivals.py); the outputs stay plain greedy
+    decoding's and everything is freed. A seeded request's launch runs all its rounds: round i samples
+    with its i-th step's noise key, so its outputs are those of a run where nothing arrives."""
+    from tests.server_harness import DENSE
+    from tests.test_engine_core import Engine
+    flags = ["--model-path", str(DENSE), "--speculative-algorithm", algorithm, "--max-total-tokens", "4096",
+             "--num-scheduler-steps", "8", "--max-launch-ms", "0", "--speculative-adaptive", "off"]
+    first = SamplingParams(max_new_tokens=40, ignore_eos=True,
+                           **({"temperature": 0} if greedy else {"temperature": 0.8, "seed": 5}))
+    second = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    engine = Engine(flags)
+    try:
+        reqs, arrived_during, ran = [], [], []
+
+        def arrive(flight) -> None:      # right after the first launch of eight rounds is on the stream
+            if flight.batch.is_spec_decode and flight.batch.steps == 8 and len(reqs) == 1:
+                arrived_during.append(flight.batch)
+                reqs.append(engine.add("r1", prompts[1], second))
+        engine.core.launch_observers.append(arrive)
+        engine.core.observers.append(
+            lambda done: done.batch in arrived_during and ran.append(len(done.result.rounds)))
+        reqs.append(engine.add("r0", prompts[0], first))
+        await engine.finish()
+        assert len(reqs) == 2 and engine.core.scheduler.pool.used_slots == 0
+        assert (ran[0] < 8) == greedy                  # rounds cut short only where every row is greedy
+    finally:
+        engine.close()
+    reference = await outputs(ONE_STEP, prompts[:2], [first, second], "none" if greedy else algorithm)
+    assert [r.output_ids for r in reqs] == [o[0] for o in reference]
