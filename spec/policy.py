@@ -373,7 +373,7 @@ class SpeculativeDecoding(DecodePolicy):
             return
         if speculative:
             tokens = sum(len(run) for run in output.tokens) if output else 0
-            if tokens:
+            if tokens and not self.yielded(batch, rounds):
                 self.gate.observe(rows, True, cycle, rounds, tokens)
         elif batch.is_spec_decode:
             return                       # a chain-0 step: a one-off on the way to plain steps
@@ -381,6 +381,12 @@ class SpeculativeDecoding(DecodePolicy):
             self.gate.observe(rows, False, cycle, rounds, beside_prompts=not plain)
         else:
             self.gate.waited(rows, cycle)
+
+    def yielded(self, batch: ScheduledBatch, rounds: int) -> bool:
+        """Did the launch end its rounds early for a prompt that arrived (spec/arrivals.py)? The gate is not
+        charged with it: what its length measures is when the prompt came, and the mode it is compared
+        with runs its launch whole while the prompt waits (a plain run does not yield)."""
+        return rounds < batch.steps and self.arrivals.since(batch.spec.yield_at)
 
     def on_retract(self, req: Request) -> None:
         req.decode.draft_lag = req.decode.draft_end = 0

@@ -362,6 +362,27 @@ def test_the_gate_is_charged_each_launch_of_its_mode_prompts_included():
     assert [s.req.rid for s in with_sampling.seqs] == ["e"] and with_sampling.spec.gate_rows == 0
 
 
+def test_a_launch_that_yielded_to_an_arrival_is_not_charged():
+    """A greedy launch of rounds records the arrivals it was planned with; one that ran fewer rounds
+    because a prompt came since (spec/arrivals.py) is not charged to speculation (a plain run would have
+    run whole while the prompt waited). One whose rounds all ran, or that ended with nobody arriving
+    (its rows ended), is charged."""
+    gate = Charged([True])
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=8, gate=gate)
+    sched = make(spec)
+    prefilled(sched, "a", [1, 2, 3])
+    launch = sched.schedule()
+    assert launch.is_spec_decode and launch.steps > 1 and launch.spec.yield_at == spec.arrivals.count
+    spec.observe_launch(launch, 0.01, launch.steps - 1, StepOutput(tokens=[[7, 8]]), cycle=0.01)   # rows ended
+    assert len(gate.charges) == 1
+    sched.add("b", [4, 5], GREEDY)                   # a prompt arrives while the launch runs: it yields
+    assert spec.arrivals.since(launch.spec.yield_at)
+    spec.observe_launch(launch, 0.002, 1, StepOutput(tokens=[[7, 8]]), cycle=0.002)
+    assert len(gate.charges) == 1
+    spec.observe_launch(launch, 0.01, launch.steps, StepOutput(tokens=[[7, 8]]), cycle=0.01)     # ran whole
+    assert len(gate.charges) == 2
+
+
 def test_a_head_that_cannot_catch_up_steps_aside_once_the_gate_settles_on_plain():
     """An EAGLE head reads the target's features of a step or never: once the gate has settled on plain
     decoding, the head skips the plain runs (and the prompts that join them), and their requests decode
