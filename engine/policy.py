@@ -38,8 +38,8 @@ class DecodePolicy:
         """What the policy adds to a new batch (ScheduledBatch.spec; its decoding reads it: Decoding.plan_inputs)."""
         return None
 
-    def on_arrival(self) -> None:
-        """A prompt joined the queue (it waits for whatever launch is in flight)."""
+    def on_arrival(self, idle: bool) -> None:
+        """A prompt joined the queue (it waits for whatever launch is in flight); idle: no request was running."""
 
     def is_decoding(self, req: Request) -> bool:
         """Past its prompt: fed one token (or one speculative run) per step."""

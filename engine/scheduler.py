@@ -74,8 +74,8 @@ class Scheduler:
             req.status = Status.RESERVING
             self.reserving.append(req)
         else:
+            self.policy.on_arrival(idle=not self.running)
             self.waiting.append(req)
-            self.policy.on_arrival()
         return None
 
     def reserve_remote(self) -> list[Request]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,13 +52,14 @@ from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.request import Request, Status
 from spec.arrivals import Arrivals
-from spec.gate import SpecGate
+from spec.gate import SpecGate, bucket_of
 from spec.plan import SpecPlan
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
 
 SPEC_NOISE_BASE = 1 << 24      # keeps speculative steps' noise keys apart from token positions
+LOAD_PLANS = 16                # decode plans the load a server carries is taken over (SpeculativeDecoding.in_lull)
 
 
 @dataclass
@@ -86,9 +88,11 @@ class SpeculativeDecoding(DecodePolicy):
         self.falls_behind = draft_falls_behind  # it can skip them for good (an EAGLE head): see `aside`
         self.gate = gate                        # --speculative-adaptive (None: off)
         self.arrivals = arrivals or Arrivals()  # prompts queued: a greedy launch of rounds yields to them
+        self.load: deque[int] = deque(maxlen=LOAD_PLANS)    # requests running at each recent decode plan
+        self.idle_arrival = False               # the last prompt found no request running
         self.off_steps = 0                      # decode steps without speculation (under load)
         self.gate_steps = 0                     # decode steps without speculation (the gate's choice)
-        self.plain_now: str | None = None       # why this step's decodes go plain: "load", "gate", "behind", or None
+        self.plain_now: str | None = None       # why its decodes go plain: "load", "gate", "behind", "lull", or None
         self.aside_now = False                  # this step's batch is not read by the draft: its requests fall behind
         self.held = 0                           # greedy speculating decodes waiting for this step's prompts
 
@@ -102,8 +106,13 @@ class SpeculativeDecoding(DecodePolicy):
     def new_plan(self) -> SpecPlan:
         return SpecPlan()
 
-    def on_arrival(self) -> None:
+    def on_arrival(self, idle: bool) -> None:
+        """Two prompts in a row that found no request running: the server serves one at a time, and the
+        load it carried before is over (one such prompt is also how each wave of a steady load starts)."""
         self.arrivals.arrived()
+        if idle and self.idle_arrival:
+            self.load.clear()
+        self.idle_arrival = idle
 
     def is_decoding(self, req: Request) -> bool:
         return req.prefilled                 # its last chunk is launched: the device holds its spec state
@@ -112,6 +121,7 @@ class SpeculativeDecoding(DecodePolicy):
         """Speculative decodes wait for a prefill batch; plain ones join it. Decides for the step
         whether its decodes go plain (plan_decodes keeps that)."""
         wanting = self.wanting(sched, decodes)
+        self.load.append(len(sched.running))
         self.plain_now = self.plain_reason(wanting, queued=bool(sched.waiting))
         self.aside_now = self.aside(wanting)
         now = not sched.prefill_ready() or self.plain_now is not None
@@ -136,7 +146,23 @@ class SpeculativeDecoding(DecodePolicy):
             return None
         if any(r.decode.behind for r in decodes):
             return "behind"
+        if self.in_lull(len(decodes)):
+            return "lull"
         return None if self.gate.speculate(len(decodes), queued) else "gate"
+
+    def busiest(self, rows: int) -> int:
+        """The most requests running at a decode plan among the last LOAD_PLANS (on_arrival: since when)."""
+        return max(rows, max(self.load, default=0))
+
+    def in_lull(self, rows: int) -> bool:
+        """Are `rows` fewer than the load the server carries, whose batch size the gate has settled on plain?
+        Under a steady load a batch dips for a launch or two (some requests ended, their successors' prompts
+        are on the way): a request that speculated alone there would run ahead of the others, and the load's
+        batches, which decode plainly, would be out of step for the rest of their requests (at concurrency 4,
+        more time at 1 and 3 rows, less at 4). The dip decodes as the load's batch size chose, and teaches
+        the gate nothing: its bucket's estimates stay those of a server that carries that few."""
+        busiest = self.busiest(rows)
+        return bucket_of(busiest) != bucket_of(rows) and self.gate.settled_plain(busiest)
 
     def aside(self, decodes: list[Request]) -> bool:
         """Does speculation step aside for good for these decodes: the draft does not read their plain
@@ -147,9 +173,9 @@ class SpeculativeDecoding(DecodePolicy):
         step, which is what the gate's choice was to save. Greedy prompts that arrive while their batch size
         is settled on plain are not read either (SpecGate.skip_prompts), except when it explores:
         its requests explore speculation. A batch with a sampling prompt in it is read."""
-        if not self.falls_behind or self.plain_now not in ("gate", "behind"):
+        if not self.falls_behind or self.plain_now not in ("gate", "behind", "lull"):
             return False
-        return self.plain_now == "behind" or self.gate.settled_plain(len(decodes))
+        return self.plain_now in ("behind", "lull") or self.gate.settled_plain(len(decodes))
 
     def gated(self, decodes: list[Request]) -> bool:
         """The gate decides for (and learns from) all-greedy batches only (spec/gate.py)."""
@@ -210,7 +236,7 @@ class SpeculativeDecoding(DecodePolicy):
         return max(1, min(self.rounds, self.budget.steps(len(decodes), 0), most_wanted, room))
 
     def count_plain(self, steps: int) -> None:
-        if self.plain_now in ("gate", "behind"):
+        if self.plain_now in ("gate", "behind", "lull"):
             self.gate_steps += steps
         else:
             self.off_steps += steps
@@ -323,7 +349,7 @@ class SpeculativeDecoding(DecodePolicy):
                                     or any(seq.req.decode.draft_end < seq.start for seq in batch.seqs))
         aside = self.falls_behind and all(seq.req.params.greedy for seq in batch.seqs) and (
             self.aside_now or self.plain_now is None and self.gate is not None
-            and self.gate.skip_prompts(len(sched.running)))
+            and self.gate.skip_prompts(self.busiest(len(sched.running))))
         batch.spec.draft_skip = skip or aside
         if self.held:                        # speculative decodes wait for this batch: a cost of speculating
             batch.spec.gate_rows, self.held = self.held, 0

@@ -383,6 +383,50 @@ def test_a_launch_that_yielded_to_an_arrival_is_not_charged():
     assert len(gate.charges) == 2
 
 
+@pytest.mark.parametrize("falls_behind", [False, True], ids=["catches-up", "eagle"])
+def test_a_dip_below_the_load_decodes_as_the_loads_batch_size_chose(falls_behind):
+    """Four requests decode plainly (their bucket is settled on plain); three end and one runs alone while
+    their successors arrive. Speculating alone it would run ahead of them: it decodes as the load's batch
+    size chose and charges no bucket, and so does a request that arrives then (an EAGLE head does not read
+    its prompt). Once two prompts in a row found the server idle, a lone request speculates again (one
+    request at a time, speculation wins here)."""
+    gate = SpecGate()
+    warm(gate, 1, spec_ms=1.0, tokens_per_round=3.0, plain_ms=1.0)       # one request: speculation wins
+    warm(gate, 4, spec_ms=4.0, tokens_per_round=1.5, plain_ms=1.0)       # four: plain wins
+    assert gate.speculate(1) and not gate.speculate(4) and gate.settled_plain(4)
+    spec = SpeculativeDecoding(spec_tokens=4, rounds=1, gate=gate, draft_falls_behind=falls_behind)
+    sched = make(spec)
+    short = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    prefilled(sched, "a", [1, 2, 3])
+    for rid in "bcd":
+        prefilled(sched, rid, [4, 5], short)
+    for _ in range(2):                               # b, c and d emit their last two tokens
+        step = sched.schedule()
+        assert not step.is_spec_decode and len(step.seqs) == 4 and step.spec.gate_rows == 4
+        sched.process(step, StepOutput(tokens=[[7]] * 4))
+    assert [r.rid for r in sched.running] == ["a"]
+    dip = sched.schedule()
+    assert not dip.is_spec_decode and dip.spec.gate_rows == 0
+    assert spec.plain_now == ("behind" if falls_behind else "lull")    # a row the head skipped is behind already
+    sched.process(dip, StepOutput(tokens=[[7]]))
+    sched.add("e", [1, 2, 3], GREEDY)
+    joined = sched.schedule()                        # a's plain decode and e's prompt
+    sched.process(joined, StepOutput(tokens=[[7]] * len(joined.sampling)))
+    arrival = sched.requests["e"]
+    assert arrival.decode.behind == falls_behind     # its prompt unread where the load's size is settled plain
+    sched.abort("a", "abort")
+    dip = sched.schedule()
+    assert not dip.is_spec_decode and dip.spec.gate_rows == 0
+    sched.process(dip, StepOutput(tokens=[[7]]))
+    sched.abort("e", "abort")
+    wave = prefilled(sched, "f", [1, 2, 3])          # found the server idle: once is how a wave starts
+    assert wave.decode.behind == falls_behind        # the head did not read its prompt either
+    assert not sched.schedule().is_spec_decode
+    sched.abort("f", "abort")
+    prefilled(sched, "g", [1, 2, 3])                 # twice in a row: one request at a time
+    assert sched.schedule().is_spec_decode
+
+
 def test_a_head_that_cannot_catch_up_steps_aside_once_the_gate_settles_on_plain():
     """An EAGLE head reads the target's features of a step or never: once the gate has settled on plain
     decoding, the head skips the plain runs (and the prompts that join them), and their requests decode
