@@ -411,7 +411,9 @@ class SpeculativeDecoding(DecodePolicy):
     def yielded(self, batch: ScheduledBatch, rounds: int) -> bool:
         """Did the launch end its rounds early for a prompt that arrived (spec/arrivals.py)? The gate is not
         charged with it: what its length measures is when the prompt came, and the mode it is compared
-        with runs its launch whole while the prompt waits (a plain run does not yield)."""
+        with runs its launch whole while the prompt waits (a plain run does not yield). The host does not
+        know why the stream stopped: a launch whose rows all ended while a prompt arrived reads as yielded
+        too, and goes uncharged (a request's last launch; its rounds were none the slower)."""
         return rounds < batch.steps and self.arrivals.since(batch.spec.yield_at)
 
     def on_retract(self, req: Request) -> None:
