@@ -32,6 +32,7 @@ class SpecDecoder(Decoding):
     plain_decode_graphs = False      # the draft reads the forward of plain decodes
     catches_up = False         # the draft can skip prefill batches and read what it missed later
     falls_behind = False       # it can skip reading a batch, whose requests then never draft again (policy's `behind`)
+    reads_tokens = False       # it drafts from the request's tokens, kept per row (not per KV slot)
     graphs = None              # its captured draft steps (spec/draft_graphs.py), where graphs are on
     kv_len: torch.Tensor       # per row: tokens of the request in the KV cache (spec/base.py)
     bonus: torch.Tensor        # per row: the last emitted token, not yet in the cache
@@ -60,7 +61,7 @@ class SpecDecoder(Decoding):
         falls_behind = self.falls_behind and not args.enable_dp_attention
         return SpeculativeDecoding(args.num_steps + 1, args.spec_off_batch_size, self.catches_up, rounds=steps,
                                    budget=budget, gate=gate, draft_falls_behind=falls_behind,
-                                   arrivals=self.arrivals)
+                                   arrivals=self.arrivals, draft_reads_tokens=self.reads_tokens)
 
     def plan_inputs(self, batch: ScheduledBatch) -> SpecInputs:
         return SpecInputs.of_batch(batch)

@@ -26,6 +26,7 @@ class SpecInputs:
     trim: bool = True             # decode: rows may verify fewer drafts where the device reads for free
     length_cap: torch.Tensor | None = None    # decode: each row's length at its request's end (max tokens, context)
     yield_at: int | None = None   # decode: no round starts once prompts arrived past this count (spec/arrivals.py)
+    cached_tokens: tuple = ()     # prefill: (row, tokens) of cached prefixes (SpecPlan.cached_tokens)
 
     @classmethod
     def of_batch(cls, batch: ScheduledBatch) -> "SpecInputs":
@@ -34,6 +35,7 @@ class SpecInputs:
         return cls(decode=plan.decode, chain=plan.chain, draft_lag=long_tensor(plan.draft_lag),
                    draft_next=long_tensor(plan.draft_next), draft_skip=plan.draft_skip, no_decode=plan.no_decode,
                    length_cap=long_tensor(plan.length_cap) if plan.decode else None, yield_at=plan.yield_at,
+                   cached_tokens=tuple(plan.cached_tokens),
                    plain_decodes=not plan.decode and all(seq.decode for seq in batch.seqs))
 
     @classmethod

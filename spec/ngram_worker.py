@@ -58,6 +58,8 @@ def ngram_drafts(history: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[to
 
 
 class NgramWorker(SpecWorker):
+    reads_tokens = True        # the history: a prompt read from the prefix cache brings its cached tokens
+
     def __init__(self, args, target):
         super().__init__(args, target)
         self.history = TokenHistory(target)
@@ -65,6 +67,8 @@ class NgramWorker(SpecWorker):
     # ---- prefill -------------------------------------------------------------------
 
     def after_prefill(self, inp, input_ids, attn, out, sampled) -> None:
+        for row, tokens in inp.spec.cached_tokens:
+            self.history.write_known(row, tokens)
         self.history.write_prefill(inp, input_ids, attn.positions, sampled)
         self.seed_sampled_rows(inp, sampled)
 

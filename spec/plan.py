@@ -15,6 +15,8 @@ class SpecPlan:
     length_cap: list[int] = field(default_factory=list)   # decode: each request's length (prompt + outputs) at its end
     draft_next: list[int] = field(default_factory=list)   # prefill: the token after each chunk (-1: sampled)
     draft_skip: bool = False    # prefill: the draft model does not read these chunks (under load)
+    cached_tokens: list[tuple[int, list[int]]] = field(default_factory=list)  # prefill: (row, tokens) of
+                                # cached prefixes a draft that reads tokens has not seen (on_cached)
     no_decode: bool = False     # prefill: no request of it decodes here (each ends with its first token)
     yield_at: int | None = None  # decode: the launch's rounds stop once arrivals pass this count (Arrivals)
     gate_rows: int = 0          # greedy decodes the gate chose this launch's mode for: in it, or (a prefill

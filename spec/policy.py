@@ -73,12 +73,13 @@ class SpecRecord:
     plain: bool = False         # its last step was a plain decode (feed_plain: under load, or the gate's)
     behind: bool = False        # its draft skipped positions it cannot read later: it decodes plainly to its end
     verify_steps: int = 0       # steps that produced output for it while decoding
+    unread_prefix: int = 0      # cached positions a draft that reads tokens has yet to get (on_cached)
 
 
 class SpeculativeDecoding(DecodePolicy):
     def __init__(self, spec_tokens: int, off_batch_size: int = 0, draft_catches_up: bool = False, rounds: int = 1,
                  budget: LaunchBudget | None = None, gate: SpecGate | None = None, draft_falls_behind: bool = False,
-                 arrivals: Arrivals | None = None):
+                 arrivals: Arrivals | None = None, draft_reads_tokens: bool = False):
         self.spec_tokens = spec_tokens          # k+1 positions per speculative step
         self.rounds = rounds                    # most steps a launch (--num-scheduler-steps)
         self.budget = budget or LaunchBudget(0)     # and those that fit in --max-launch-ms
@@ -86,6 +87,7 @@ class SpeculativeDecoding(DecodePolicy):
         self.off_batch_size = off_batch_size    # decode batches this large draft nothing (0: always draft)
         self.catches_up = draft_catches_up      # the draft can skip prefill chunks and read them later
         self.falls_behind = draft_falls_behind  # it can skip them for good (an EAGLE head): see `aside`
+        self.reads_tokens = draft_reads_tokens  # it drafts from the request's tokens (n-gram): see `on_cached`
         self.gate = gate                        # --speculative-adaptive (None: off)
         self.arrivals = arrivals or Arrivals()  # prompts queued: a greedy launch of rounds yields to them
         self.load: deque[int] = deque(maxlen=LOAD_PLANS)    # requests running at each recent decode plan
@@ -334,13 +336,20 @@ class SpeculativeDecoding(DecodePolicy):
     def on_cached(self, req: Request, length: int) -> None:
         """The cached pages hold the draft's K/V too (same slots): its draft has read them. (Where the
         request that left them had skipped some, its drafts there are poorer, never wrong: the verify
-        decides.)"""
+        decides.) A draft that reads the request's tokens keeps them per row, not per slot: the row holds
+        what its last request left there, so the first chunk brings the cached tokens along (on_fed)."""
         req.decode.draft_end = length
+        if self.reads_tokens:
+            req.decode.unread_prefix = length
 
     def on_fed(self, batch: ScheduledBatch, seq: SeqWork) -> None:
         """The draft reads token t+1 at position t; a last chunk's is sampled."""
         end = seq.start + seq.q_len
         batch.spec.draft_next.append(-1 if seq.last_chunk else seq.req.all_ids[end])
+        record = seq.req.decode
+        if record.unread_prefix:
+            batch.spec.cached_tokens.append((seq.row, seq.req.all_ids[:record.unread_prefix]))
+            record.unread_prefix = 0
 
     def end_prefill_plan(self, sched: "Scheduler", batch: ScheduledBatch) -> None:
         """Does the draft model read this prefill batch, and how far each request's draft lags."""

@@ -163,6 +163,23 @@ def test_seeded_outputs_with_the_cache_are_those_without(algorithm, questions):
     assert outputs == alone
 
 
+def test_an_ngram_draft_looks_up_the_cached_part_of_its_prompt(questions):
+    """N-gram drafts come from a per-row history of the request's tokens, and a row holds what its last
+    request left there: a prompt that reads its start from the cache must bring those tokens to its row.
+    Between two questions an unrelated prompt as long as the system prompt runs on the row, so a
+    question whose history kept it would draft from the wrong tokens (and a seeded answer depends on
+    its drafts)."""
+    tok = tokenizer()
+    others = [0, 1, 3, 4, 6, 7, 8, 9]                # not the system prompt's pieces (5, 2)
+    unrelated = [sum((tok.encode(CODE_PROMPTS[i]) for i in others[j:] + others[:j]), []) for j in (1, 4, 6)]
+    assert all(len(u) > len(questions[0]) for u in unrelated)
+    prompts = [p for pair in zip(questions[:3], unrelated) for p in pair]
+    outputs, cached = one_at_a_time(ALGORITHMS["ngram"], prompts)
+    alone, _ = one_at_a_time(ALGORITHMS["ngram"] + ["--disable-radix-cache"], prompts)
+    assert all(cached[2::2]), cached
+    assert outputs == alone
+
+
 # ---- a pool of a few prompts' worth: evictions on the real engine --------------------------------
 
 SMALL_POOL = ["--max-total-tokens", "160"]
