@@ -356,15 +356,17 @@ void int4_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k
   const int64_t groups = k_padded / INT4_GROUP;
   Vec16 acc[R] = {};
   alignas(64) int32_t s[R][TILE_COLS];
+  const bool use_vnni = vnni(), use_avx2 = avx2_int8();    // once, not per group: each reads the tuning record
+  (void)use_vnni, (void)use_avx2;                          // a build without either path reads neither
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * INT4_BYTES;
     const int8_t* xg = xq + g * INT4_GROUP;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (vnni()) int4_sums_vnni<R>(wg, xg, k_padded, s);
+    if (use_vnni) int4_sums_vnni<R>(wg, xg, k_padded, s);
     else
 #endif
 #if defined(__AVX2__)
-    if (avx2_int8()) int4_sums_avx2<R>(wg, xg, k_padded, s);
+    if (use_avx2) int4_sums_avx2<R>(wg, xg, k_padded, s);
     else
 #endif
       int4_sums_portable<R>(wg, xg, k_padded, s);
