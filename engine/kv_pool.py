@@ -63,7 +63,7 @@ class KVPool:
         need = self.pages_for(new_len) - len(pages)
         if need > self.free_count:
             return False
-        if need > len(self.free_pages):          # a batch at a time: each eviction walks the whole tree
+        if need > len(self.free_pages):          # a batch at a time
             self.free_pages.extend(self.cache.evict(max(need - len(self.free_pages), EVICT_AT_LEAST)))
         for _ in range(max(need, 0)):
             pages.append(self.free_pages.pop())

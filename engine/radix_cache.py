@@ -21,7 +21,13 @@ would differ from those it would make alone, and a seeded request would draw oth
              descendant with ref > 0, since a request holds whole paths)
 
 The pool asks the cache for pages when its free list runs short (KVPool.grow -> evict): the least
-recently used leaves with ref 0 go first, and their parents may follow.
+recently used leaves with ref 0 go first, and their parents may follow. With a page a token, a
+full pool's tree holds as many nodes as the pool has slots, and a server under steady load evicts
+every few steps: eviction never walks the tree. A heap holds (last_use, node) entries, pushed when
+a node is or becomes an evictable leaf with that last_use (insert, match, unlock, a child's
+eviction); an entry whose node was used since, locked, given a child or removed is stale and
+skipped (a fresher entry exists for whatever can go). Stale entries beyond a few per evictable
+page are swept out in one pass, so the heap stays within a constant of the tree.
 
 NOTE: only K/V written by processed steps is inserted (Request.written): with overlap the step in
 flight may still write a request's later positions, never those below `written`.
@@ -33,6 +39,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from engine.stats import MEAN_MEASURED, Stat, counter, gauge
+
+STALE_FACTOR = 4     # heap entries per evictable page (at least 64) past which the stale ones are swept out
 
 
 @dataclass(eq=False)
@@ -63,6 +71,7 @@ class RadixCache:
         self.evictable = 0          # ... of those, with ref 0
         self.stats = CacheStats()
         self.clock = itertools.count(1)
+        self.leaves: list[tuple[int, int, Node]] = []   # (last_use, id, node): evictable leaves, and stale entries
 
     # ---- lookup --------------------------------------------------------------------------
 
@@ -76,6 +85,8 @@ class RadixCache:
                 break
             node.last_use = now
             path.append(node)
+        if path:
+            self.offer(path[-1])                 # only the path's end can be a leaf
         return path
 
     def lock(self, path: list[Node]) -> None:
@@ -90,6 +101,7 @@ class RadixCache:
             node.ref -= 1
             node.last_use = now
             self.evictable += node.ref == 0
+            self.offer(node)
 
     # ---- insertion -------------------------------------------------------------------------
 
@@ -107,6 +119,7 @@ class RadixCache:
         for i, page in enumerate(pages):
             key = self.key(tokens, i * ps)
             if key is None:
+                self.offer(node)
                 return spare + pages[i:]
             child = node.children.get(key)
             if child is None:
@@ -118,26 +131,45 @@ class RadixCache:
                 spare.append(page)
             child.last_use = now
             node = child
+        self.offer(node)
         return spare
 
     # ---- eviction --------------------------------------------------------------------------
 
+    def offer(self, node: Node) -> None:
+        """`node` may have just become an evictable leaf, or been used while one: its entry, at its last_use."""
+        if node is not self.root and node.ref == 0 and not node.children:
+            heapq.heappush(self.leaves, (node.last_use, id(node), node))
+            if len(self.leaves) > STALE_FACTOR * max(self.evictable, 64):
+                self.sweep()
+
+    def sweep(self) -> None:
+        """Drop the stale entries (one pass over the heap, not the tree)."""
+        self.leaves = [entry for entry in self.leaves if self.current(entry)]
+        heapq.heapify(self.leaves)
+
+    @staticmethod
+    def current(entry: tuple[int, int, Node]) -> bool:
+        """Is the entry its node's latest, with the node still in the tree, a leaf and read by no request?"""
+        last_use, _, node = entry
+        return (node.parent is not None and node.ref == 0 and not node.children and node.last_use == last_use)
+
     def evict(self, wanted: int) -> list[int]:
         """Free up to `wanted` pages, least recently used leaves with ref 0 first."""
-        leaves = [(n.last_use, id(n), n) for n in self.nodes() if not n.children and n.ref == 0]
-        heapq.heapify(leaves)
         freed: list[int] = []
-        while leaves and len(freed) < wanted:
-            _, _, node = heapq.heappop(leaves)
-            freed.append(self.remove(node))
-            parent = node.parent
-            if parent is not self.root and not parent.children and parent.ref == 0:
-                heapq.heappush(leaves, (parent.last_use, id(parent), parent))
+        while self.leaves and len(freed) < wanted:
+            entry = heapq.heappop(self.leaves)
+            if not self.current(entry):
+                continue
+            parent = entry[2].parent
+            freed.append(self.remove(entry[2]))
+            self.offer(parent)                   # a leaf now, where its last child went
         self.stats.evicted_pages += len(freed)
         return freed
 
     def remove(self, node: Node) -> int:
         del node.parent.children[node.key]
+        node.parent = None                       # out of the tree: its heap entries are stale
         self.pages -= 1
         self.evictable -= 1
         return node.page
@@ -170,6 +202,9 @@ class RadixCache:
         if self.evictable != self.pages:
             raise RuntimeError("pages of the cache are in use")
         pages = [node.page for node in self.nodes()]
+        for node in self.nodes():
+            node.parent = None
         self.root.children.clear()
+        self.leaves.clear()
         self.pages = self.evictable = 0
         return pages

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -57,6 +58,56 @@ def test_referenced_pages_stay_and_the_least_recently_used_leaves_go_first():
     cache.unlock(held)
     assert cache.evict(2) == [2, 1]                  # a leaf, then its parent once it is a leaf
     assert sorted(cache.flush()) == [0] and cache.pages == 0
+
+
+def lru_walk(cache: RadixCache, wanted: int) -> list[int]:
+    """The reference eviction, on a copy: walk the whole tree for its leaves with ref 0, take the least
+    recently used one, and again (a parent once its last child went), `wanted` times at most."""
+    cache = copy.deepcopy(cache)
+    freed = []
+    while len(freed) < wanted:
+        leaves = [n for n in cache.nodes() if not n.children and n.ref == 0]
+        if not leaves:
+            break
+        node = min(leaves, key=lambda n: n.last_use)
+        del node.parent.children[node.key]
+        freed.append(node.page)
+    return freed
+
+
+@pytest.mark.parametrize("page_size, lookahead", [(1, 0), (2, 1)])
+def test_eviction_takes_the_least_recently_used_leaves_without_walking_the_tree(page_size, lookahead, monkeypatch):
+    """Requests over shared prefixes come and go (match, lock, insert, unlock) and the pool asks for pages
+    now and then: each eviction frees what walking the whole tree for the least recently used leaf, again
+    and again, would free. With a page a token a full pool's tree has a node a slot, so eviction must not
+    walk it: `nodes` is forbidden while it runs."""
+    rng, cache, next_page, held = random.Random(page_size), RadixCache(page_size, lookahead), 0, []
+    stems = [[rng.randrange(3) for _ in range(12)] for _ in range(4)]
+    walk = RadixCache.nodes
+    for _ in range(600):
+        action = rng.random()
+        if action < 0.45 or not held:
+            tokens = rng.choice(stems)[:rng.randrange(12)] + [rng.randrange(3) for _ in range(rng.randrange(8))]
+            path = cache.match(tokens, len(tokens))
+            cache.lock(path)
+            held.append((tokens, path))
+        elif action < 0.85:
+            tokens, path = held.pop(rng.randrange(len(held)))
+            pages = [n.page for n in path]
+            while len(pages) * page_size < len(tokens):
+                pages.append(next_page := next_page + 1)
+            cache.insert(tokens, pages)
+            cache.unlock(path)
+        else:
+            wanted = rng.randrange(1, 6)
+            expected = lru_walk(cache, wanted)
+            monkeypatch.setattr(RadixCache, "nodes", lambda self: pytest.fail("eviction walked the tree"))
+            assert cache.evict(wanted) == expected
+            monkeypatch.setattr(RadixCache, "nodes", walk)
+        evictable = [n for n in cache.nodes() if n.ref == 0]
+        assert cache.evictable == len(evictable) and cache.pages == sum(1 for _ in cache.nodes())
+        assert len(cache.leaves) <= 4 * max(cache.evictable, 64) + 1
+    assert cache.stats.evicted_pages > 50
 
 
 def test_with_a_lookahead_a_page_matches_only_where_the_token_after_it_is_the_same_too():
