@@ -110,13 +110,17 @@ class RadixCache:
         key = tuple(tokens[start:start + self.page_size + self.lookahead])
         return key if len(key) == self.page_size + self.lookahead else None
 
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+    def insert(self, tokens: list[int], pages: list[int], after: list[Node] | None = None) -> list[int]:
         """Cache the K/V of tokens[:len(pages) * page_size], held in `pages` (`tokens` goes on with the
         lookahead after them). The tree takes the pages it lacked; returns those it already held another
         copy of, or could not key (the caller frees them). A page that is already the tree's (a matched
-        prefix) stays where it is."""
-        node, ps, now, spare = self.root, self.page_size, next(self.clock), []
-        for i, page in enumerate(pages):
+        prefix) stays where it is. `after`: the path the request matched and still holds (locked, so in
+        the tree; its pages head `pages`): the walk starts below it, not at the root, so a long shared
+        prefix costs its readers nothing here (unlock stamps the path's last use)."""
+        after = after or []
+        node, ps, now, spare = (after[-1] if after else self.root), self.page_size, next(self.clock), []
+        for i in range(len(after), len(pages)):
+            page = pages[i]
             key = self.key(tokens, i * ps)
             if key is None:
                 self.offer(node)

@@ -285,7 +285,8 @@ class Scheduler:
         if cache is not None:
             full = min(self.policy.cacheable(req), req.known_len - 1) // self.pool.page_size if keep else 0
             full = max(full, len(req.cache_path))
-            spare = cache.insert(req.all_ids, pages[:full]) if full > len(req.cache_path) else []
+            held = req.cache_path
+            spare = cache.insert(req.all_ids, pages[:full], after=held) if full > len(held) else []
             cache.unlock(req.cache_path)
             self.pool.free_pages.extend(reversed(spare))
             pages = pages[full:]

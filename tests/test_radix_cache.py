@@ -110,6 +110,44 @@ def test_eviction_takes_the_least_recently_used_leaves_without_walking_the_tree(
     assert cache.stats.evicted_pages > 50
 
 
+def tree_of(cache: RadixCache) -> set:
+    """Every node as (the keys from the root to it, its page, its ref)."""
+    def keys(node):
+        return () if node.parent is None else keys(node.parent) + (node.key,)
+    return {(keys(n), n.page, n.ref) for n in cache.nodes()}
+
+
+@pytest.mark.parametrize("page_size, lookahead", [(1, 0), (2, 1)])
+def test_inserting_below_the_held_path_builds_the_tree_a_walk_from_the_root_builds(page_size, lookahead):
+    """A finished request inserts from the end of the path it matched (Scheduler.release_pages): twin
+    caches, one inserting that way and one from the root, go through the same requests and evictions and
+    hold the same tree, hand back the same pages and evict the same ones."""
+    rng, next_page, held = random.Random(7 + page_size), 0, []
+    below, rooted = RadixCache(page_size, lookahead), RadixCache(page_size, lookahead)
+    stems = [[rng.randrange(3) for _ in range(10)] for _ in range(3)]
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.45 or not held:
+            tokens = rng.choice(stems)[:rng.randrange(10)] + [rng.randrange(3) for _ in range(rng.randrange(8))]
+            paths = below.match(tokens, len(tokens)), rooted.match(tokens, len(tokens))
+            below.lock(paths[0])
+            rooted.lock(paths[1])
+            held.append((tokens, paths))
+        elif action < 0.9:
+            tokens, (path, twin) = held.pop(rng.randrange(len(held)))
+            pages = [n.page for n in path]
+            while len(pages) * page_size < len(tokens):
+                pages.append(next_page := next_page + 1)
+            assert below.insert(tokens, pages, after=path) == rooted.insert(tokens, pages)
+            below.unlock(path)
+            rooted.unlock(twin)
+        else:
+            wanted = rng.randrange(1, 5)
+            assert below.evict(wanted) == rooted.evict(wanted)
+        assert tree_of(below) == tree_of(rooted)
+        assert (below.pages, below.evictable) == (rooted.pages, rooted.evictable)
+
+
 def test_with_a_lookahead_a_page_matches_only_where_the_token_after_it_is_the_same_too():
     """A draft that reads token t+1 at position t (an EAGLE head) left K/V in a page for the token after it."""
     cache = RadixCache(page_size=2, lookahead=1)
