@@ -284,10 +284,10 @@ class Scheduler:
         cache, pages = self.pool.cache, req.pages
         if cache is not None:
             full = min(self.policy.cacheable(req), req.known_len - 1) // self.pool.page_size if keep else 0
-            full = max(full, len(req.cache_path))
             held = req.cache_path
+            full = max(full, len(held))
             spare = cache.insert(req.all_ids, pages[:full], after=held) if full > len(held) else []
-            cache.unlock(req.cache_path)
+            cache.unlock(held)
             self.pool.free_pages.extend(reversed(spare))
             pages = pages[full:]
             req.cache_path = []
