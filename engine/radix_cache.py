@@ -206,8 +206,6 @@ class RadixCache:
         if self.evictable != self.pages:
             raise RuntimeError("pages of the cache are in use")
         pages = [node.page for node in self.nodes()]
-        for node in self.nodes():
-            node.parent = None
         self.root.children.clear()
         self.leaves.clear()
         self.pages = self.evictable = 0

@@ -77,16 +77,19 @@ def lru_walk(cache: RadixCache, wanted: int) -> list[int]:
 
 @pytest.mark.parametrize("page_size, lookahead", [(1, 0), (2, 1)])
 def test_eviction_takes_the_least_recently_used_leaves_without_walking_the_tree(page_size, lookahead, monkeypatch):
-    """Requests over shared prefixes come and go (match, lock, insert, unlock) and the pool asks for pages
-    now and then: each eviction frees what walking the whole tree for the least recently used leaf, again
-    and again, would free. With a page a token a full pool's tree has a node a slot, so eviction must not
-    walk it: `nodes` is forbidden while it runs."""
-    rng, cache, next_page, held = random.Random(page_size), RadixCache(page_size, lookahead), 0, []
+    """Requests over shared prefixes come and go (match, lock, insert, unlock; matches that lock nothing)
+    and the pool asks for pages now and then: each eviction frees what walking the whole tree for the
+    least recently used leaf, again and again, would free. With a page a token a full pool's tree has a
+    node a slot, so eviction must not walk it: `nodes` is forbidden while it runs."""
+    rng, cache, next_page, held, done = random.Random(page_size), RadixCache(page_size, lookahead), 0, [], []
     stems = [[rng.randrange(3) for _ in range(12)] for _ in range(4)]
     walk = RadixCache.nodes
     for _ in range(600):
         action = rng.random()
-        if action < 0.45 or not held:
+        if action < 0.1 and done:  # a match that locks nothing: an admission that did not fit (plan_prefill)
+            tokens = rng.choice(done)
+            cache.match(tokens, len(tokens))
+        elif action < 0.45 or not held:
             tokens = rng.choice(stems)[:rng.randrange(12)] + [rng.randrange(3) for _ in range(rng.randrange(8))]
             path = cache.match(tokens, len(tokens))
             cache.lock(path)
@@ -98,6 +101,7 @@ def test_eviction_takes_the_least_recently_used_leaves_without_walking_the_tree(
                 pages.append(next_page := next_page + 1)
             cache.insert(tokens, pages)
             cache.unlock(path)
+            done.append(tokens)
         else:
             wanted = rng.randrange(1, 6)
             expected = lru_walk(cache, wanted)
