@@ -4,6 +4,7 @@ with --model, a one-token decode step of the model alternated with those reads, 
 
     python bench/bandwidth.py [--gib 1] [--threads 2] [--repeats 10]
     python bench/bandwidth.py --model .build/models/llama-270m --dtype float32 [--quantization int4]
+    python bench/bandwidth.py --model .build/models/llama-270m --quantization int4 --switch weight_prefetch
 
 A decode step of one request reads every weight once, so its time can be no shorter than the weights' bytes
 over this rate. The machine's rate moves (other tenants share its memory), so --model measures each step
@@ -56,29 +57,48 @@ def weight_bytes(model) -> int:
 
 
 def decode_fraction(args, x: torch.Tensor) -> None:
-    """A decode step of one token, alternated with the best read: the median of their rates' ratio."""
+    """A decode step of one token, alternated with the best read: the median of their rates' ratio. With
+    --switch, each read is followed by a step with that tuning switch on and one with it off (in turns
+    first), and both medians are printed with the median of their paired ratio."""
     import statistics
 
+    from devices.cpu_native import cpu_kernels
     from engine.models.loader import load_model
     from engine.models.testing import PagedRunner
     model = load_model(args.model, args.dtype, "cpu", quantization=args.quantization)[0]
     size = weight_bytes(model)
+    sides = (True, False) if args.switch else (True,)
+    kernels = cpu_kernels() if args.switch else None
     runner = PagedRunner(model.kv_layout(), model.embed_tokens.weight.dtype, max_requests=1,
-                         max_context=32 + 2 * args.repeats)
-    fractions, steps = [], []
-    with torch.inference_mode():
-        model(*runner.step([(0, list(range(1, 33)))]))
-        for _ in range(args.repeats):
-            read = max(best_gbs(r, x, 1) for r in READS.values())
-            ids, batch = runner.step([(0, [5])])
-            start = time.perf_counter()
-            model.compute_logits(model(ids, batch).hidden)
-            seconds = time.perf_counter() - start
-            steps.append(seconds)
-            fractions.append(size / seconds / 1e9 / read)
-    print(f"{args.model} ({args.dtype}, {args.quantization or 'no quantization'}): {size / 1e6:.0f} MB a step, "
-          f"median step {statistics.median(steps) * 1e3:.2f} ms, median fraction of the read rate beside it "
-          f"{statistics.median(fractions):.2f}")
+                         max_context=32 + 2 * len(sides) * args.repeats)
+    fractions = {side: [] for side in sides}
+    steps = {side: [] for side in sides}
+    before = kernels.set_tuning(**{args.switch: True}) if kernels else None
+    try:
+        with torch.inference_mode():
+            model(*runner.step([(0, list(range(1, 33)))]))
+            for repeat in range(args.repeats):
+                read = max(best_gbs(r, x, 1) for r in READS.values())
+                for side in sides if repeat % 2 == 0 else sides[::-1]:
+                    if kernels:
+                        kernels.set_tuning(**{args.switch: side})
+                    ids, batch = runner.step([(0, [5])])
+                    start = time.perf_counter()
+                    model.compute_logits(model(ids, batch).hidden)
+                    seconds = time.perf_counter() - start
+                    steps[side].append(seconds)
+                    fractions[side].append(size / seconds / 1e9 / read)
+    finally:
+        if kernels:
+            kernels.set_tuning(**before)
+    for side in sides:
+        label = f", {args.switch} {'on' if side else 'off'}" if args.switch else ""
+        print(f"{args.model} ({args.dtype}, {args.quantization or 'no quantization'}{label}): {size / 1e6:.0f} MB a "
+              f"step, median step {statistics.median(steps[side]) * 1e3:.2f} ms, median fraction of the read rate "
+              f"beside it {statistics.median(fractions[side]):.2f}")
+    if args.switch:
+        ratio = statistics.median(on / off for on, off in zip(fractions[True], fractions[False]))
+        print(f"{args.switch} on / off, paired: {ratio:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="A model folder: its decode step as a fraction of the read rate.")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", default=None, choices=("int8", "w8a8_int8", "int4"))
+    parser.add_argument("--switch", default=None,
+                        help="A tuning switch of the native kernels (devices/native/common.h), e.g. weight_prefetch: "
+                             "steps with it on and off, alternated.")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,6 +37,7 @@ PER_LAYER = "native-per-layer"              # dense models
 TORCH_PRODUCTS = "native-torch-products"    # weights as loaded, float products through torch (native_products)
 # the tuning switch each path turns off while it runs (devices/native/common.h: Tuning)
 SWITCHED = {"native-portable": "isa_products", "native-no-kv-prefetch": "kv_prefetch",
+            "native-no-weight-prefetch": "weight_prefetch",
             "native-four-row-runs": "wide_row_runs", "native-regions": "teams"}
 DECODE_CASES = [(1, 1), (1, 4), (1, 5), (1, 16), (16, 1), (16, 4), (16, 16)]      # (rows, q); 1 x 5: 4 drafts
 PROMPTS = [64, 512]

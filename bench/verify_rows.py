@@ -33,7 +33,8 @@ SWITCHES = {"wide_row_runs": ("at once", "four rows at a time"), "teams": ("in o
             "own_rows": ("row-wise steps each thread's own", "row-wise steps shared"),
             "isa_products": ("ISA-specific products", "portable vectors"),
             "paired_blocks": ("two blocks a run", "one block a run"),
-            "widen_once": ("weights widened once a group", "widened in registers each run")}
+            "widen_once": ("weights widened once a group", "widened in registers each run"),
+            "weight_prefetch": ("weights fetched ahead", "the hardware prefetcher alone")}
 
 
 @torch.inference_mode()

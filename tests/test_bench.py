@@ -764,6 +764,17 @@ def test_cpu_linear_times_every_path_at_each_shape():
     assert len(lines) == 4 and all("torch f32" in line and all(n in line for n in native) for line in lines)
 
 
+def test_bandwidth_times_a_decode_step_with_a_tuning_switch_on_and_off():
+    result = cli("bench/bandwidth.py", "--gib", "0.05", "--repeats", "4", "--model", "models/tandem-dense",
+                 "--switch", "weight_prefetch")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    steps = [line for line in lines if "median fraction of the read rate" in line]
+    assert [("weight_prefetch on" in line, "weight_prefetch off" in line) for line in steps] == [(True, False),
+                                                                                                  (False, True)]
+    assert float(steps[0].rsplit(" ", 1)[1]) > 0 and lines[-1].startswith("weight_prefetch on / off, paired: ")
+
+
 def test_cpu_kernels_times_each_path_on_each_case():
     result = cli("bench/cpu_kernels.py", "--steps", "7", "--rounds", "1", "--context", "16", timeout=300)
     assert result.returncode == 0, result.stderr

@@ -13,7 +13,7 @@ std::vector<std::pair<std::string, std::atomic<bool>*>> tuning_switches() {
   Tuning& t = tuning();
   return {{"teams", &t.teams},           {"own_rows", &t.own_rows},         {"wide_row_runs", &t.wide_row_runs},
           {"kv_prefetch", &t.kv_prefetch}, {"isa_products", &t.isa_products}, {"native_products", &t.native_products},
-          {"paired_blocks", &t.paired_blocks}, {"widen_once", &t.widen_once}};
+          {"paired_blocks", &t.paired_blocks}, {"widen_once", &t.widen_once}, {"weight_prefetch", &t.weight_prefetch}};
 }
 
 thread_local const Team* current_team = nullptr;

@@ -29,6 +29,7 @@ struct Tuning {
   std::atomic<bool> native_products{true}; // off: float products through torch on the unpacked weight
   std::atomic<bool> paired_blocks{true};   // a run of many rows reads two column blocks at once where it can
   std::atomic<bool> widen_once{true};      // many rows: a group's int8/bf16 weights widened once, not each run
+  std::atomic<bool> weight_prefetch{true}; // a pass asks for its weights WEIGHT_FETCH_AHEAD bytes ahead of reading them
 };
 Tuning& tuning();
 

@@ -84,16 +84,18 @@ const T* team_layers_run(const T* x, const std::vector<TeamLayer>& layers, const
   for (size_t i = 0; i < layers.size(); ++i) {
     const TeamLayer& layer = layers[i];
     at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache, out = sh.attended;
+    const Weight* next_qkv = i + 1 < layers.size() ? &layers[i + 1].qkv : nullptr;
     team_linear(layer.input_norm.defined() ? mine.normed : x, tokens, hidden, layer.qkv, mine, sh.qkv.data_ptr<T>(),
-                own_rows);
+                own_rows, &layer.o);
     attention_impl<T>(sh.qkv, batch.heads, k_cache, v_cache, batch.q_start, batch.q_len, batch.kv_len, batch.rows,
                       batch.table, batch.rope, layer.q_norm, layer.k_norm, batch.qk_eps, batch.scale, out,
                       sh.queries.data_ptr<float>());
-    team_linear(sh.attended.data_ptr<T>(), tokens, batch.heads.q * batch.heads.dim, layer.o, mine, dp, own_rows);
+    team_linear(sh.attended.data_ptr<T>(), tokens, batch.heads.q * batch.heads.dim, layer.o, mine, dp, own_rows,
+                &layer.gate_up);
     add_rms_norm_into(x, dp, layer.post_norm.data_ptr<T>(), mine.h, mine.post, tokens, hidden, eps, own_rows);
-    team_linear(mine.post, tokens, hidden, layer.gate_up, mine, gp, own_rows);
+    team_linear(mine.post, tokens, hidden, layer.gate_up, mine, gp, own_rows, &layer.down);
     silu_mul_into(gp, 2 * inter, mine.act, tokens, inter, own_rows);
-    team_linear(mine.act, tokens, inter, layer.down, mine, dp, own_rows);
+    team_linear(mine.act, tokens, inter, layer.down, mine, dp, own_rows, next_qkv);
     // the residual stream: h + down, and the next layer's norm of it
     T* next = own_rows ? mine.own_x : sh.stream[i % 2].data_ptr<T>();
     if (i + 1 < layers.size() && layers[i + 1].input_norm.defined())

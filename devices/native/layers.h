@@ -72,10 +72,12 @@ struct TeamBatch {
   Heads heads;
 };
 
-// y = x . w in a team: the rows prepared into the thread's own buffers where own_rows.
+// y = x . w in a team: the rows prepared into the thread's own buffers where own_rows; `next` the product
+// the team runs after it (product_into).
 template <typename T>
-void team_linear(const T* x, int64_t rows, int64_t k_dim, const Weight& w, TeamRows<T>& mine, T* y, bool own_rows) {
-  product_into(x, rows, k_dim, w, *mine.buffers, y, own_rows);
+void team_linear(const T* x, int64_t rows, int64_t k_dim, const Weight& w, TeamRows<T>& mine, T* y, bool own_rows,
+                 const Weight* next = nullptr) {
+  product_into(x, rows, k_dim, w, *mine.buffers, y, own_rows, next);
 }
 
 // The layers over x [tokens, hidden] (every thread reads it) inside a team region, run by every thread;

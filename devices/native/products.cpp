@@ -43,9 +43,13 @@ template <int R, int NB, typename B, int CHAINS>
 void float_rows(const float* x, int64_t k_dim, const typename B::Elem* w, float* c) {
   const int64_t column_stride = k_dim * TILE_COLS;
   Vec16 acc[CHAINS][R][NB] = {};
+  const int64_t ahead = weight_fetch_ahead();
+  constexpr int64_t STEP_BYTES = B::UNIT * TILE_COLS * sizeof(typename B::Elem);    // int8: a quarter line
   int64_t k = 0;
   const auto step = [&](auto chain) {
     for (int nb = 0; nb < NB; ++nb) {
+      if (STEP_BYTES >= 64 || (k * TILE_COLS * int64_t(sizeof(typename B::Elem))) % 64 == 0)
+        fetch_weights(w + nb * column_stride + k * TILE_COLS, ahead, 64);
       Vec16 wv[B::UNIT];
       B::load(w + nb * column_stride, k, wv);
       for (int u = 0; u < B::UNIT; ++u)
@@ -111,8 +115,10 @@ void bf16_dot_rows(const c10::BFloat16* x, int64_t k_dim, const c10::BFloat16* w
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_setzero_ps();
+  const int64_t ahead = weight_fetch_ahead();
   for (int64_t k = 0; k < k_dim; k += 2) {
     __m512bh b[NB];
+    for (int nb = 0; nb < NB; ++nb) fetch_weights(w + nb * column_stride + k * TILE_COLS, ahead, 64);
     for (int nb = 0; nb < NB; ++nb) b[nb] = (__m512bh)_mm512_loadu_si512(w + nb * column_stride + k * TILE_COLS);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -325,8 +331,9 @@ const float* float_rows_of(const T* x, int64_t rows, int64_t k_dim, RowBuffers& 
 }
 
 template <typename T>
-void product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowBuffers& buffers, T* y, bool alone) {
-  if (w.quantized_rows()) return quantized_product_into(x, rows, k_dim, w, buffers, y, alone);
+void product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowBuffers& buffers, T* y, bool alone,
+                  const Weight* next) {
+  if (w.quantized_rows()) return quantized_product_into(x, rows, k_dim, w, buffers, y, alone, next);
   FloatOps<T> ops;
   ops.x = x;
   ops.w = &w;
@@ -339,14 +346,15 @@ void product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowB
   const int64_t widen_past = w.format == Format::Int8 ? WIDEN_INT8_ROWS : WIDEN_ROWS;
   ops.widen = !hardware && w.format != Format::Float32 && rows > widen_past && tuning().widen_once;
   ops.xf = hardware ? nullptr : float_rows_of(x, rows, k_dim, buffers, alone);
-  blocked_product<float>(rows, w.blocks, ops);
+  blocked_product<float>(rows, w.blocks, ops, next);
 }
 
-template void product_into<float>(const float*, int64_t, int64_t, const Weight&, RowBuffers&, float*, bool);
+template void product_into<float>(const float*, int64_t, int64_t, const Weight&, RowBuffers&, float*, bool,
+                                  const Weight*);
 template void product_into<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, const Weight&, RowBuffers&,
-                                          c10::BFloat16*, bool);
+                                          c10::BFloat16*, bool, const Weight*);
 template void product_into<c10::Half>(const c10::Half*, int64_t, int64_t, const Weight&, RowBuffers&, c10::Half*,
-                                      bool);
+                                      bool, const Weight*);
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& scale) {

@@ -65,9 +65,11 @@ struct RowBuffers {
 
 // y [rows, n_dim] = x [rows, k_dim] . w (+ bias) on raw rows, the rows prepared into `buffers` (on this
 // thread alone where `alone`, else spread: a team's shared buffers). The loop over columns is spread.
+// `next`: the product a team runs after this one, whose first weights each thread asks for once it has
+// read its share of these (fetch_share_start).
 template <typename T>
 void product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowBuffers& buffers, T* y,
-                  bool alone = false);
+                  bool alone = false, const Weight* next = nullptr);
 
 // x [..., K] . W (+ bias) as tensors: a packed weight natively, else torch's product.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -84,15 +86,53 @@ bool is_float_packed(const at::Tensor& w);
 std::string product_path(Format format);
 bool bf16_native();                  // bf16 pairs multiply in hardware here (AVX512-BF16 or AMX)
 
+// A pass reads its block front to back and a thread's blocks lie one after another, yet the hardware
+// prefetcher alone kept an int4 decode pass below the rate a plain read of the same bytes reaches: the
+// pass computes between its loads (unpacking, scales), so fewer reads are in flight. A pass asks for the
+// bytes WEIGHT_FETCH_AHEAD ahead of those it reads (the tuning record's weight_prefetch; 0: none). Past a
+// thread's last block that is bytes no one reads then, or past the weight's end: a prefetch never faults.
+constexpr int64_t WEIGHT_FETCH_AHEAD = 4096;
+
+inline int64_t weight_fetch_ahead() { return tuning().weight_prefetch ? WEIGHT_FETCH_AHEAD : 0; }
+
+// Asks for the 64-byte lines of [p, p + bytes).
+inline void fetch_lines(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+// The lines of [p + ahead, p + ahead + bytes), where ahead is not 0: a pass about to read [p, p + bytes).
+inline void fetch_weights(const void* p, int64_t ahead, int64_t bytes) {
+  if (ahead != 0) fetch_lines(static_cast<const char*>(p) + ahead, bytes);
+}
+
+// Between two products a team waits at a barrier, then runs a layer's row-wise steps, and each thread's
+// stream of weights starts again from a miss, which weighs most where a product is shortest (4-bit
+// weights). A thread that has read its share of one product asks for the first WEIGHT_FETCH_AHEAD bytes
+// of its share of the next (split by spread's rule, as blocked_product splits it): the bytes its passes'
+// own prefetch does not cover, in flight while the team waits.
+inline void fetch_share_start(const Weight& next) {
+  const Team* team = current_team;
+  const int64_t ahead = weight_fetch_ahead();
+  if (team == nullptr || ahead == 0 || next.blocks == 0) return;
+  const int64_t groups = (next.blocks + TILE_GROUP - 1) / TILE_GROUP;
+  const int64_t parts = std::min<int64_t>(team->size, groups), chunk = (groups + parts - 1) / parts;
+  const int64_t from = team->rank * chunk;
+  if (from >= groups) return;
+  const int64_t group_bytes = next.data.nbytes() / next.blocks * TILE_GROUP;
+  fetch_lines(static_cast<const char*>(next.data.data_ptr()) + from * group_bytes,
+              std::min(ahead, (groups - from) * group_bytes));
+}
+
 // The loop of a blocked product: groups of TILE_GROUP column blocks split across the threads (a thread
-// reads only its own columns of W, each group once), and for each group the rows in tiles of TILE_ROWS.
+// reads only its own columns of W, each group once), and for each group the rows in tiles of TILE_ROWS;
+// then the start of the thread's share of `next`, the product after this one (fetch_share_start).
 // ops.group(first, nb) runs before a group's tiles (a pass that widens the group's weights to floats once
 // for all its rows does it there); ops.setup(m) before a tile of m rows where m changed (AMX configures its
 // tiles there) and ops.done() after the thread's last; ops.pass(NB, m0, m, first, c) leaves in c
 // [m][GROUP_COLS] the sums of rows m0 .. m0 + m against blocks first .. first + NB; ops.store(m0, m, first,
 // nb, c) writes them out.
 template <typename Sum, typename Ops>
-void blocked_product(int64_t rows, int64_t n_blocks, const Ops& shared_ops) {
+void blocked_product(int64_t rows, int64_t n_blocks, const Ops& shared_ops, const Weight* next = nullptr) {
   const int64_t groups = (n_blocks + TILE_GROUP - 1) / TILE_GROUP;
   spread(0, groups, 1, [&](int64_t begin, int64_t end) {
     Ops ops(shared_ops);                      // each thread's own (the state group() leaves)
@@ -109,6 +149,7 @@ void blocked_product(int64_t rows, int64_t n_blocks, const Ops& shared_ops) {
       }
     }
     if (configured >= 0) ops.done();
+    if (next != nullptr) fetch_share_start(*next);
   });
 }
 

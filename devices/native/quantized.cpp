@@ -124,9 +124,11 @@ void w8_vnni_rows(const int8_t* xq, int64_t k_padded, const int8_t* w, int64_t c
     for (int r = 0; r < R; ++r) acc[r][nb] = _mm512_setzero_si512();
   }
   const __m512i ones = _mm512_set1_epi8(1);
+  const int64_t ahead = weight_fetch_ahead();
   for (int64_t kb = 0; kb < k_padded / W8_K; ++kb)
     for (int p = 0; p < W8_K / 4; ++p) {
       const int8_t* wk = w + kb * W8_BLOCK + p * 4 * TILE_COLS;
+      for (int nb = 0; nb < NB; ++nb) fetch_weights(wk + nb * column_stride, ahead, 64);
       __m512i b[NB];
       for (int nb = 0; nb < NB; ++nb) b[nb] = _mm512_loadu_si512(wk + nb * column_stride);
       if constexpr (SUM_COLUMNS)
@@ -175,9 +177,11 @@ void w8_avx2_rows(const int8_t* xq, int64_t k_padded, const int8_t* w, int32_t* 
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const int64_t ahead = weight_fetch_ahead();
   for (int64_t kb = 0; kb < k_padded / W8_K; ++kb)
     for (int p = 0; p < W8_K / 4; ++p) {
       const int8_t* wk = w + kb * W8_BLOCK + p * 4 * TILE_COLS;
+      fetch_weights(wk, ahead, 64);
       const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
       const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 32));
       for (int r = 0; r < R; ++r) {
@@ -358,9 +362,11 @@ void int4_rows(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t k
   alignas(64) int32_t s[R][TILE_COLS];
   const bool use_vnni = vnni(), use_avx2 = avx2_int8();    // once, not per group: each reads the tuning record
   (void)use_vnni, (void)use_avx2;                          // a build without either path reads neither
+  const int64_t ahead = weight_fetch_ahead();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * INT4_BYTES;
     const int8_t* xg = xq + g * INT4_GROUP;
+    fetch_weights(wg, ahead, INT4_BYTES);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (use_vnni) int4_sums_vnni<R>(wg, xg, k_padded, s);
     else
@@ -421,14 +427,14 @@ struct Int4Ops : NoSetup {
 
 template <typename T>
 void quantized_product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowBuffers& buffers, T* y,
-                            bool alone) {
+                            bool alone, const Weight* next) {
   quantize_rows(x, rows, k_dim, w, buffers, alone);
   if (w.format == Format::Int4) {
     Int4Ops<T> ops;
     ops.rows = &buffers;
     ops.w = &w;
     ops.y = y;
-    return blocked_product<float>(rows, w.blocks, ops);
+    return blocked_product<float>(rows, w.blocks, ops, next);
   }
   W8A8Ops<T> ops;
   ops.xq = buffers.q.data();
@@ -436,14 +442,15 @@ void quantized_product_into(const T* x, int64_t rows, int64_t k_dim, const Weigh
   ops.w = &w;
   ops.y = y;
   ops.tiles = w8a8_tiles();
-  blocked_product<int32_t>(rows, w.blocks, ops);
+  blocked_product<int32_t>(rows, w.blocks, ops, next);
 }
 
-template void quantized_product_into<float>(const float*, int64_t, int64_t, const Weight&, RowBuffers&, float*, bool);
+template void quantized_product_into<float>(const float*, int64_t, int64_t, const Weight&, RowBuffers&, float*, bool,
+                                            const Weight*);
 template void quantized_product_into<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, const Weight&,
-                                                    RowBuffers&, c10::BFloat16*, bool);
+                                                    RowBuffers&, c10::BFloat16*, bool, const Weight*);
 template void quantized_product_into<c10::Half>(const c10::Half*, int64_t, int64_t, const Weight&, RowBuffers&,
-                                                c10::Half*, bool);
+                                                c10::Half*, bool, const Weight*);
 
 std::string quantized_path(Format format) {
   if (format == Format::W8A8 && w8a8_tiles()) return "AMX int8 tiles";

@@ -20,7 +20,7 @@ bool is_int4_packed(const at::Tensor& w, const at::Tensor& scale);
 
 template <typename T>
 void quantized_product_into(const T* x, int64_t rows, int64_t k_dim, const Weight& w, RowBuffers& buffers, T* y,
-                            bool alone);
+                            bool alone, const Weight* next);
 
 std::string quantized_path(Format format);
 
