@@ -20,6 +20,13 @@ would differ from those it would make alone, and a seeded request would draw oth
   evictable  nodes with ref 0: all of them can go, leaves first (a node with ref 0 has no
              descendant with ref > 0, since a request holds whole paths)
 
+A node is an index into the cache's lists (page, key, parent, ref, last_use, children), and its
+children are found in one dict keyed (parent, key): a full pool's tree holds as many nodes as the pool
+has slots (with a page a token), and as objects of their own (a node, its dict of children, its heap
+entries) they were most of what the garbage collector walked in a full collection of a rank, which then
+held its loop 70-170 ms under steady prefix-cache traffic (docs/reliability.md, "Collector pauses").
+Lists of ints and tuples of ints are a few objects the collector reads past.
+
 The pool asks the cache for pages when its free list runs short (KVPool.grow -> evict): the least
 recently used leaves with ref 0 go first, and their parents may follow. With a page a token, a
 full pool's tree holds as many nodes as the pool has slots, and a server under steady load evicts
@@ -36,21 +43,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.stats import MEAN_MEASURED, Stat, counter, gauge
 
 STALE_FACTOR = 4     # heap entries per evictable page (at least 64) past which the stale ones are swept out
-
-
-@dataclass(eq=False)
-class Node:
-    key: tuple[int, ...]                # the tokens of this page, and the lookahead after them (empty at the root)
-    page: int                           # the pool page holding their K/V (-1 at the root)
-    parent: Node | None
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
-    ref: int = 0
-    last_use: int = 0
+ROOT = 0             # the root node: no page, no key; a removed node's parent is GONE
+GONE = -1
 
 
 @dataclass
@@ -66,51 +65,60 @@ class RadixCache:
     def __init__(self, page_size: int, lookahead: int = 0):
         self.page_size = page_size
         self.lookahead = lookahead  # tokens after a page that its K/V depends on (0 or 1)
-        self.root = Node((), -1, None)
+        # node i: its pool page, its key under its parent (the page's tokens and the lookahead after them),
+        # its parent (ROOT's: GONE), the running requests that read it, its last use, its children
+        self.page, self.key, self.parent = [-1], [()], [GONE]
+        self.ref, self.last_use, self.kids = [0], [0], [0]
+        self.child: dict[tuple[int, tuple[int, ...]], int] = {}     # (parent, key) -> node
+        self.spare_ids: list[int] = []                                # removed nodes' indices, for reuse
         self.pages = 0              # pages the tree holds
         self.evictable = 0          # ... of those, with ref 0
         self.stats = CacheStats()
         self.clock = itertools.count(1)
-        self.leaves: list[tuple[int, int, Node]] = []   # (last_use, id, node): evictable leaves, and stale entries
+        self.leaves: list[tuple[int, int]] = []     # (last_use, node): evictable leaves, and stale entries
 
     # ---- lookup --------------------------------------------------------------------------
 
-    def match(self, tokens: list[int], limit: int) -> list[Node]:
-        """The longest cached path spelling a prefix of tokens[:limit], in whole pages (each followed in
-        `tokens` by its lookahead)."""
-        path, node, ps, now = [], self.root, self.page_size, next(self.clock)
+    def match(self, tokens: list[int], limit: int) -> list[int]:
+        """The longest cached path (its nodes) spelling a prefix of tokens[:limit], in whole pages (each
+        followed in `tokens` by its lookahead)."""
+        path, node, ps, now, child, last_use = [], ROOT, self.page_size, next(self.clock), self.child, self.last_use
         for start in range(0, limit - limit % ps, ps):
-            node = node.children.get(self.key(tokens, start))
+            node = child.get((node, self.key_at(tokens, start)))
             if node is None:
                 break
-            node.last_use = now
+            last_use[node] = now
             path.append(node)
         if path:
             self.offer(path[-1])                 # only the path's end can be a leaf
         return path
 
-    def lock(self, path: list[Node]) -> None:
-        """A request reads these pages: none of them may go."""
-        for node in path:
-            self.evictable -= node.ref == 0
-            node.ref += 1
+    def pages_of(self, path: list[int]) -> list[int]:
+        return [self.page[node] for node in path]
 
-    def unlock(self, path: list[Node]) -> None:
-        now = next(self.clock)
+    def lock(self, path: list[int]) -> None:
+        """A request reads these pages: none of them may go."""
+        ref = self.ref
         for node in path:
-            node.ref -= 1
-            node.last_use = now
-            self.evictable += node.ref == 0
+            self.evictable -= ref[node] == 0
+            ref[node] += 1
+
+    def unlock(self, path: list[int]) -> None:
+        now, ref = next(self.clock), self.ref
+        for node in path:
+            ref[node] -= 1
+            self.last_use[node] = now
+            self.evictable += ref[node] == 0
             self.offer(node)
 
     # ---- insertion -------------------------------------------------------------------------
 
-    def key(self, tokens: list[int], start: int) -> tuple[int, ...] | None:
+    def key_at(self, tokens: list[int], start: int) -> tuple[int, ...] | None:
         """The key of the page at `start`: its tokens and the lookahead (None where tokens end first)."""
         key = tuple(tokens[start:start + self.page_size + self.lookahead])
         return key if len(key) == self.page_size + self.lookahead else None
 
-    def insert(self, tokens: list[int], pages: list[int], after: list[Node] | None = None) -> list[int]:
+    def insert(self, tokens: list[int], pages: list[int], after: list[int] | None = None) -> list[int]:
         """Cache the K/V of tokens[:len(pages) * page_size], held in `pages` (`tokens` goes on with the
         lookahead after them). The tree takes the pages it lacked; returns those it already held another
         copy of, or could not key (the caller frees them). A page that is already the tree's (a matched
@@ -118,32 +126,45 @@ class RadixCache:
         the tree; its pages head `pages`): the walk starts below it, not at the root, so a long shared
         prefix costs its readers nothing here (unlock stamps the path's last use)."""
         after = after or []
-        node, ps, now, spare = (after[-1] if after else self.root), self.page_size, next(self.clock), []
+        node, ps, now, spare = (after[-1] if after else ROOT), self.page_size, next(self.clock), []
         for i in range(len(after), len(pages)):
             page = pages[i]
-            key = self.key(tokens, i * ps)
+            key = self.key_at(tokens, i * ps)
             if key is None:
                 self.offer(node)
                 return spare + pages[i:]
-            child = node.children.get(key)
+            child = self.child.get((node, key))
             if child is None:
-                child = node.children[key] = Node(key, page, node, last_use=now)
-                self.pages += 1
-                self.evictable += 1
-                self.stats.inserted_pages += 1
-            elif child.page != page:
+                child = self.add(node, key, page, now)
+            elif self.page[child] != page:
                 spare.append(page)
-            child.last_use = now
+            self.last_use[child] = now
             node = child
         self.offer(node)
         return spare
 
+    def add(self, parent: int, key: tuple[int, ...], page: int, now: int) -> int:
+        if self.spare_ids:
+            node = self.spare_ids.pop()
+            self.page[node], self.key[node], self.parent[node] = page, key, parent
+            self.ref[node], self.last_use[node], self.kids[node] = 0, now, 0
+        else:
+            node = len(self.page)
+            self.page.append(page), self.key.append(key), self.parent.append(parent)
+            self.ref.append(0), self.last_use.append(now), self.kids.append(0)
+        self.child[parent, key] = node
+        self.kids[parent] += 1
+        self.pages += 1
+        self.evictable += 1
+        self.stats.inserted_pages += 1
+        return node
+
     # ---- eviction --------------------------------------------------------------------------
 
-    def offer(self, node: Node) -> None:
+    def offer(self, node: int) -> None:
         """`node` may have just become an evictable leaf, or been used while one: its entry, at its last_use."""
-        if node is not self.root and node.ref == 0 and not node.children:
-            heapq.heappush(self.leaves, (node.last_use, id(node), node))
+        if node != ROOT and self.ref[node] == 0 and self.kids[node] == 0:
+            heapq.heappush(self.leaves, (self.last_use[node], node))
             if len(self.leaves) > STALE_FACTOR * max(self.evictable, 64):
                 self.sweep()
 
@@ -152,11 +173,12 @@ class RadixCache:
         self.leaves = [entry for entry in self.leaves if self.current(entry)]
         heapq.heapify(self.leaves)
 
-    @staticmethod
-    def current(entry: tuple[int, int, Node]) -> bool:
-        """Is the entry its node's latest, with the node still in the tree, a leaf and read by no request?"""
-        last_use, _, node = entry
-        return (node.parent is not None and node.ref == 0 and not node.children and node.last_use == last_use)
+    def current(self, entry: tuple[int, int]) -> bool:
+        """Is the entry its node's latest, with the node still in the tree, a leaf and read by no request? (A
+        removed node's index is reused only by an insert, which stamps it later than any entry before it.)"""
+        last_use, node = entry
+        return (self.parent[node] != GONE and self.ref[node] == 0 and self.kids[node] == 0
+                and self.last_use[node] == last_use)
 
     def evict(self, wanted: int) -> list[int]:
         """Free up to `wanted` pages, least recently used leaves with ref 0 first."""
@@ -165,25 +187,26 @@ class RadixCache:
             entry = heapq.heappop(self.leaves)
             if not self.current(entry):
                 continue
-            parent = entry[2].parent
-            freed.append(self.remove(entry[2]))
+            parent = self.parent[entry[1]]
+            freed.append(self.remove(entry[1]))
             self.offer(parent)                   # a leaf now, where its last child went
         self.stats.evicted_pages += len(freed)
         return freed
 
-    def remove(self, node: Node) -> int:
-        del node.parent.children[node.key]
-        node.parent = None                       # out of the tree: its heap entries are stale
+    def remove(self, node: int) -> int:
+        """Take a leaf out of the tree; returns its page."""
+        parent = self.parent[node]
+        del self.child[parent, self.key[node]]
+        self.kids[parent] -= 1
+        self.parent[node], self.key[node] = GONE, ()       # out of the tree: its heap entries are stale
+        self.spare_ids.append(node)
         self.pages -= 1
         self.evictable -= 1
-        return node.page
+        return self.page[node]
 
     def nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            yield node
+        """Every node in the tree (not the root)."""
+        return (node for node in range(1, len(self.page)) if self.parent[node] != GONE)
 
     def table(self) -> list[Stat]:
         """Its metrics (engine/stats.py); a rank without a cache reports an empty one's."""
@@ -205,8 +228,8 @@ class RadixCache:
         """Drop every page (only when no request holds any: the caller checks); returns them."""
         if self.evictable != self.pages:
             raise RuntimeError("pages of the cache are in use")
-        pages = [node.page for node in self.nodes()]
-        self.root.children.clear()
-        self.leaves.clear()
-        self.pages = self.evictable = 0
+        stats = self.stats
+        pages = self.pages_of(list(self.nodes()))
+        self.__init__(self.page_size, self.lookahead)
+        self.stats = stats
         return pages

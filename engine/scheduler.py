@@ -262,7 +262,7 @@ class Scheduler:
         if not path:
             return
         cache.lock(path)
-        req.cache_path, req.pages = path, [node.page for node in path]
+        req.cache_path, req.pages = path, cache.pages_of(path)
         req.kv_len = req.written = cached
         batch.table_rows.extend([req.row] * cached)
         batch.table_pos.extend(range(cached))

@@ -20,7 +20,7 @@ import tests.test_scheduler as plain
 from engine.batch import StepOutput
 from engine.kv_pool import KVPool
 from engine.messages import SamplingParams
-from engine.radix_cache import RadixCache
+from engine.radix_cache import ROOT, RadixCache
 from engine.request import Status
 from engine.scheduler import Scheduler, SchedulerConfig
 from spec.policy import SpeculativeDecoding
@@ -33,9 +33,9 @@ from tests.test_spec_gate import Scripted
 def test_match_is_the_longest_cached_prefix_in_whole_pages():
     cache = RadixCache(page_size=2)
     assert cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12]) == []
-    assert [n.page for n in cache.match([1, 2, 3, 4, 9, 9], 6)] == [10, 11]
-    assert [n.page for n in cache.match([1, 2, 3, 4, 5, 6], 5)] == [10, 11]      # the limit cuts a page
-    assert [n.page for n in cache.match([1, 2, 3], 3)] == [10]                   # a partial page never matches
+    assert cache.pages_of(cache.match([1, 2, 3, 4, 9, 9], 6)) == [10, 11]
+    assert cache.pages_of(cache.match([1, 2, 3, 4, 5, 6], 5)) == [10, 11]      # the limit cuts a page
+    assert cache.pages_of(cache.match([1, 2, 3], 3)) == [10]                   # a partial page never matches
     assert cache.match([2, 2], 2) == [] and (cache.pages, cache.evictable) == (3, 3)
     assert cache.insert([1, 2, 3, 4, 7, 8], [20, 21, 22]) == [20, 21]        # [1, 2, 3, 4] held already
     assert cache.insert([1, 2, 3, 4], [10, 11]) == []                        # its own pages: nothing spare
@@ -66,12 +66,10 @@ def lru_walk(cache: RadixCache, wanted: int) -> list[int]:
     cache = copy.deepcopy(cache)
     freed = []
     while len(freed) < wanted:
-        leaves = [n for n in cache.nodes() if not n.children and n.ref == 0]
+        leaves = [n for n in cache.nodes() if cache.kids[n] == 0 and cache.ref[n] == 0]
         if not leaves:
             break
-        node = min(leaves, key=lambda n: n.last_use)
-        del node.parent.children[node.key]
-        freed.append(node.page)
+        freed.append(cache.remove(min(leaves, key=lambda n: (cache.last_use[n], n))))
     return freed
 
 
@@ -96,7 +94,7 @@ def test_eviction_takes_the_least_recently_used_leaves_without_walking_the_tree(
             held.append((tokens, path))
         elif action < 0.85:
             tokens, path = held.pop(rng.randrange(len(held)))
-            pages = [n.page for n in path]
+            pages = cache.pages_of(path)
             while len(pages) * page_size < len(tokens):
                 pages.append(next_page := next_page + 1)
             cache.insert(tokens, pages)
@@ -108,7 +106,7 @@ def test_eviction_takes_the_least_recently_used_leaves_without_walking_the_tree(
             monkeypatch.setattr(RadixCache, "nodes", lambda self: pytest.fail("eviction walked the tree"))
             assert cache.evict(wanted) == expected
             monkeypatch.setattr(RadixCache, "nodes", walk)
-        evictable = [n for n in cache.nodes() if n.ref == 0]
+        evictable = [n for n in cache.nodes() if cache.ref[n] == 0]
         assert cache.evictable == len(evictable) and cache.pages == sum(1 for _ in cache.nodes())
         assert len(cache.leaves) <= 4 * max(cache.evictable, 64) + 1
     assert cache.stats.evicted_pages > 50
@@ -117,8 +115,8 @@ def test_eviction_takes_the_least_recently_used_leaves_without_walking_the_tree(
 def tree_of(cache: RadixCache) -> set:
     """Every node as (the keys from the root to it, its page, its ref)."""
     def keys(node):
-        return () if node.parent is None else keys(node.parent) + (node.key,)
-    return {(keys(n), n.page, n.ref) for n in cache.nodes()}
+        return () if node == ROOT else keys(cache.parent[node]) + (cache.key[node],)
+    return {(keys(n), cache.page[n], cache.ref[n]) for n in cache.nodes()}
 
 
 @pytest.mark.parametrize("page_size, lookahead", [(1, 0), (2, 1)])
@@ -139,7 +137,7 @@ def test_inserting_below_the_held_path_builds_the_tree_a_walk_from_the_root_buil
             held.append((tokens, paths))
         elif action < 0.9:
             tokens, (path, twin) = held.pop(rng.randrange(len(held)))
-            pages = [n.page for n in path]
+            pages = below.pages_of(path)
             while len(pages) * page_size < len(tokens):
                 pages.append(next_page := next_page + 1)
             assert below.insert(tokens, pages, after=path) == rooted.insert(tokens, pages)
@@ -156,10 +154,10 @@ def test_with_a_lookahead_a_page_matches_only_where_the_token_after_it_is_the_sa
     """A draft that reads token t+1 at position t (an EAGLE head) left K/V in a page for the token after it."""
     cache = RadixCache(page_size=2, lookahead=1)
     assert cache.insert([1, 2, 3, 4, 5], [10, 11]) == []                     # [1, 2] before 3, [3, 4] before 5
-    assert [n.page for n in cache.match([1, 2, 3, 4, 5, 6], 5)] == [10, 11]
-    assert [n.page for n in cache.match([1, 2, 3, 4, 9], 4)] == [10]         # [3, 4] was cached before 5, not 9
+    assert cache.pages_of(cache.match([1, 2, 3, 4, 5, 6], 5)) == [10, 11]
+    assert cache.pages_of(cache.match([1, 2, 3, 4, 9], 4)) == [10]         # [3, 4] was cached before 5, not 9
     assert cache.insert([1, 2, 3, 4, 9], [10, 20]) == []                     # so [3, 4] before 9 is a page of its own
-    assert [n.page for n in cache.match([1, 2, 3, 4, 9], 4)] == [10, 20] and cache.pages == 3
+    assert cache.pages_of(cache.match([1, 2, 3, 4, 9], 4)) == [10, 20] and cache.pages == 3
     assert cache.insert([1, 2, 3], [30]) == [30]                              # held already
     assert cache.insert([7, 8], [40]) == [40] and cache.pages == 3           # no token after it: it cannot be keyed
 
