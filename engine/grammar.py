@@ -21,6 +21,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from engine.gc_pause import PAUSES
 from engine.messages import GrammarSpec
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_ids or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        PAUSES.freeze_new_imports()          # engine/gc_pause.py: the modules it took out of later collections
         return self.compiler
 
     def close(self) -> None:

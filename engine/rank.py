@@ -31,6 +31,7 @@ from engine.request import Request
 from engine.launch_budget import LaunchBudget
 from engine.policy import DecodePolicy
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.gc_pause import PAUSES
 from engine.stats import graph_stats, process_stats
 from engine.trace import Tracer
 from engine.framing import Connection
@@ -152,6 +153,8 @@ class Rank:
 
     async def idle(self, timeout: float) -> None:
         self.wake.clear()
+        if not self.inbox and not self.core.busy:
+            PAUSES.freeze_new_imports()        # engine/gc_pause.py: what a lazy import brought
         if not self.inbox:
             try:
                 await asyncio.wait_for(self.wake.wait(), timeout)

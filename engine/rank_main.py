@@ -20,6 +20,7 @@ from engine.dp import DpGroup, GroupBroken
 from engine.event_loop import exit_now, run_main
 from engine.fingerprint import rank_fingerprint
 from engine.framing import Connection, Refusal
+from engine.gc_pause import after_startup
 from engine.handshake import handshake, load_secret
 from engine.rank import Rank
 from engine.rank_entry import (EXIT_ENGINE_BROKEN, EXIT_FRONT_LOST, EXIT_GROUP_BROKEN, EXIT_REFUSED,
@@ -100,6 +101,7 @@ async def serve_rank(args: ServerArgs, rank: int, socket_path: str) -> None:
     # SIGTERM (a process-group kill, say): the front drives the shutdown; stop anyway if it never does
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: loop.call_later(args.shutdown_timeout + TERM_GRACE_S, worker.stop))
+    after_startup(f"rank {rank}")             # engine/gc_pause.py: start-up out of the collector's walks
     await channel.send(rank_ready(args, rank, device, worker))
     try:
         await worker.run()

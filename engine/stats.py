@@ -50,9 +50,16 @@ def histogram(name: str, text: str, counts: dict[float, int], observed_sum: floa
 
 
 def process_stats() -> list[Stat]:
-    """The rank process's own footprint."""
+    """The rank process's own footprint, and what its garbage collector held it for (engine/gc_pause.py)."""
+    from engine.gc_pause import PAUSES
     return [gauge("tandem_rank_resident_memory_bytes", "Resident memory of the rank processes.",
-                  resident_memory_bytes())]
+                  resident_memory_bytes()),
+            counter("tandem_rank_gc_pause_seconds", "Seconds the garbage collector held the rank processes.",
+                    PAUSES.seconds),
+            counter("tandem_rank_gc_full_collections", "Full (generation 2) collections of the rank processes.",
+                    PAUSES.collections[2]),
+            gauge("tandem_rank_gc_frozen_objects", "Start-up objects the rank processes froze out of the "
+                  "collector's walks.", PAUSES.frozen)]
 
 
 def resident_memory_bytes() -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.args import ServerArgs
+from engine.gc_pause import after_startup
 from server.rank_client import RankEngineClient
 
 log = logging.getLogger("tandem")
@@ -41,6 +42,7 @@ async def serve(args: ServerArgs) -> int:
         if bootstrap is not None:
             await bootstrap.start(readies)
         runner = await start_http(args, engine, readies, tokenizer)
+        after_startup("front")
     except BaseException:
         await engine.close()
         raise

@@ -80,6 +80,10 @@ ADDED_SINCE = {
     "tandem_prefix_cache_evicted_tokens_total": ("counter", "Tokens evicted from the prefix cache."),
     "tandem_kv_slots_owned": ("gauge", "KV cache slots in pages that requests hold as their own (not the cached "
                               "pages they read): with the free and the cached ones, every slot."),
+    "tandem_rank_gc_pause_seconds_total": ("counter", "Seconds the garbage collector held the rank processes."),
+    "tandem_rank_gc_full_collections_total": ("counter", "Full (generation 2) collections of the rank processes."),
+    "tandem_rank_gc_frozen_objects": ("gauge", "Start-up objects the rank processes froze out of the collector's "
+                                      "walks."),
 }
 
 
