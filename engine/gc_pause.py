@@ -83,9 +83,9 @@ class CollectorPauses:
         return self.frozen
 
     def freeze_new_imports(self) -> bool:
-        """Freeze again where modules were imported since the last freeze (a lazy import); only while the
-        process holds no request's objects (a rank with nothing to do). The collection before it happens
-        once a lazy import, while nobody waits."""
+        """Freeze again where modules were imported since the last freeze (a lazy import): from a rank with
+        nothing to do (no request's objects alive), and from the grammar compiler once built (the requests
+        alive then are frozen too: the module docstring). Its collection runs once a lazy import."""
         if not self.modules or len(sys.modules) <= self.modules:
             return False
         self.freeze_startup_objects()
