@@ -69,6 +69,8 @@ def decode_fraction(args, x: torch.Tensor) -> None:
     size = weight_bytes(model)
     sides = (True, False) if args.switch else (True,)
     kernels = cpu_kernels() if args.switch else None
+    if args.switch and (kernels is None or args.switch not in kernels.set_tuning()):
+        raise SystemExit(f"--switch {args.switch}: not a tuning switch of native kernels this machine runs")
     runner = PagedRunner(model.kv_layout(), model.embed_tokens.weight.dtype, max_requests=1,
                          max_context=32 + 2 * len(sides) * args.repeats)
     fractions = {side: [] for side in sides}

@@ -773,6 +773,9 @@ def test_bandwidth_times_a_decode_step_with_a_tuning_switch_on_and_off():
     assert [("weight_prefetch on" in line, "weight_prefetch off" in line) for line in steps] == [(True, False),
                                                                                                   (False, True)]
     assert float(steps[0].rsplit(" ", 1)[1]) > 0 and lines[-1].startswith("weight_prefetch on / off, paired: ")
+    refused = cli("bench/bandwidth.py", "--gib", "0.05", "--repeats", "2", "--model", "models/tandem-dense",
+                  "--switch", "no_such_switch")
+    assert refused.returncode != 0 and "not a tuning switch" in refused.stderr
 
 
 def test_cpu_kernels_times_each_path_on_each_case():
